@@ -1,0 +1,20 @@
+"""Registration of the drafter architectures with vLLM's model registry.
+
+Called by the `vllm.general_plugins` entry point in every vLLM process. Registrations are lazy
+("module:Class" strings) so that importing the plugin stays cheap and survives vLLM's
+registry-inspection subprocess.
+"""
+
+from __future__ import annotations
+
+# architecture name (as written in a checkpoint's config.json) -> "module:Class"
+DRAFTER_ARCHITECTURES: dict[str, str] = {}
+
+
+def register_drafters() -> None:
+    from vllm import ModelRegistry
+
+    known = set(ModelRegistry.get_supported_archs())
+    for arch, target in DRAFTER_ARCHITECTURES.items():
+        if arch not in known:
+            ModelRegistry.register_model(arch, target)
