@@ -60,6 +60,9 @@ def iter_sharegpt(path: Path, stats: SourceStats) -> Iterator[dict[str, Any]]:
     if not path.is_file():
         raise KVShotError(f"ShareGPT file not found: {path}")
     with path.open("rb") as f:
+        if f.read(4096).lstrip()[:1] != b"[":
+            raise KVShotError(f"{path} is not ShareGPT-shaped: expected a JSON array of conversations")
+        f.seek(0)
         items = ijson.items(f, "item")
         try:
             for item in items:
@@ -236,8 +239,11 @@ class Regenerator:
 
         from kvshot_vllm.engine import make_llm
 
+        # Prefix caching is off so that a response depends only on its chunk, not on what the
+        # engine computed before: a resumed run then writes exactly what an uninterrupted one does.
         self.llm = make_llm(
-            model_dir, Path(data_dir), max_model_len=args.max_prompt_tokens + args.max_new_tokens
+            model_dir, Path(data_dir), max_model_len=args.max_prompt_tokens + args.max_new_tokens,
+            enable_prefix_caching=False,
         )
         self.params = SamplingParams(
             temperature=args.temperature, max_tokens=args.max_new_tokens, seed=args.seed
@@ -344,11 +350,8 @@ def prepare_data(
         plan = chunks(selection[split], args.chunk_size)
         records = read_records(path)
         done = completed_chunks(records, plan)
-        kept = sum(len(c) for c in plan[:done])
-        if len(records) != kept or (path.exists() and path.stat().st_size and not records):
-            _atomic_write_lines(path, records[:kept])  # drop a torn or foreign tail
-        elif not path.exists():
-            path.touch()
+        # Keep the complete chunks only: a torn last line or a partly written chunk goes.
+        _atomic_write_lines(path, records[: sum(len(c) for c in plan[:done])])
         todo += [(path, c) for c in plan[done:]]
 
     if todo:

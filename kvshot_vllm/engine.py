@@ -21,6 +21,20 @@ def on_cpu() -> bool:
     return not torch.cuda.is_available()
 
 
+def cpu_has_native_bf16() -> bool:
+    """Without AVX512-BF16 or AMX, bf16 matmuls are emulated and several times slower than fp32
+    (seen here: 22 vs 84 tok/s at batch 16 on an AVX2-only EPYC)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def default_dtype() -> str:
+    return "auto" if not on_cpu() or cpu_has_native_bf16() else "float32"
+
+
 def configure_vllm_env(data_dir: Path | None = None) -> None:
     """Environment defaults for vLLM and every process it spawns (explicit settings win)."""
     if data_dir is not None:
@@ -32,7 +46,7 @@ def configure_vllm_env(data_dir: Path | None = None) -> None:
 
 def engine_kwargs(**overrides: Any) -> dict[str, Any]:
     """Keyword arguments for `vllm.LLM` / `vllm serve` suited to this machine."""
-    kwargs: dict[str, Any] = {"seed": 0}
+    kwargs: dict[str, Any] = {"seed": 0, "dtype": default_dtype()}
     if on_cpu():
         kwargs.update(gpu_memory_utilization=CPU_MEMORY_FRACTION, enforce_eager=True)
     kwargs.update(overrides)

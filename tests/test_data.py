@@ -1,0 +1,126 @@
+"""Data preparation: deterministic split, no leakage, resumption after a kill, clear errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from kvshot_vllm.data import (PrepareArgs, SourceStats, packaged_sharegpt, read_records,
+                              select_prompts, split_of)
+from tests.conftest import KVSHOT, assert_one_line_error, run_kvshot
+
+SMALL = ["--num-prompts", "6", "--num-heldout", "2", "--max-new-tokens", "12",
+         "--chunk-size", "2", "--max-prompt-tokens", "256"]
+
+
+def test_split_is_deterministic_and_keeps_conversation_parts_together() -> None:
+    ids = [f"conv{i}_{part}" for i in range(400) for part in range(3)]
+    first = [split_of(i) for i in ids]
+    assert first == [split_of(i) for i in ids]
+    for i in range(400):
+        assert len({first[3 * i + p] for p in range(3)}) == 1
+    held = first.count("heldout") / len(first)
+    assert 0.01 < held < 0.12  # about 5%, by hash
+
+
+def test_selection_has_no_overlap_and_fits_budget(target_bf16: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(target_bf16)
+    args = PrepareArgs(num_prompts=40, num_heldout=10, max_prompt_tokens=200)
+    stats = SourceStats()
+    sel = select_prompts(packaged_sharegpt(), tok, args, stats)
+    train = {s.id.rsplit("_", 1)[0] for s in sel["train"]}
+    held = {s.id.rsplit("_", 1)[0] for s in sel["heldout"]}
+    assert len(sel["train"]) == 40 and len(sel["heldout"]) == 10
+    assert not train & held
+    assert all(len(s.prompt_token_ids) <= 200 for s in sel["train"] + sel["heldout"])
+    assert all(s.messages[0]["role"] == "user" for s in sel["train"])
+    again = select_prompts(packaged_sharegpt(), tok, args, SourceStats())
+    assert [s.id for s in again["train"]] == [s.id for s in sel["train"]]
+
+
+def test_truncated_sharegpt_is_recovered(tmp_path: Path) -> None:
+    from kvshot_vllm.data import iter_sharegpt
+
+    full = [{"id": f"x{i}_0", "conversations": [{"from": "human", "value": "hi"}]}
+            for i in range(3)]
+    text = json.dumps(full)
+    cut = tmp_path / "cut.json"
+    cut.write_text(text[: text.rindex('"hi"') + 2])  # cut inside the last string
+    stats = SourceStats()
+    assert [c["id"] for c in iter_sharegpt(cut, stats)] == ["x0_0", "x1_0"]
+    assert stats.truncated and stats.conversations == 2
+
+
+def test_resume_after_kill_gives_the_same_file(target_bf16: Path, data_dir: Path,
+                                               tmp_path: Path) -> None:
+    common = ["--data-dir", str(data_dir), "--target", str(target_bf16), *SMALL]
+    reference = tmp_path / "reference"
+    proc = run_kvshot("data", "prepare", *common, "--out", str(reference))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    resumed = tmp_path / "resumed"
+    victim = subprocess.Popen([*KVSHOT, "data", "prepare", *common, "--out", str(resumed)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)
+    train = resumed / "train.jsonl"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and len(read_records(train)) < 2:
+        assert victim.poll() is None, "data prepare ended before it could be killed"
+        time.sleep(0.2)
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait()
+    partial = read_records(train)
+    assert 2 <= len(partial) < 6, len(partial)
+    with train.open("a") as f:  # a torn write, as a kill in the middle of a line leaves
+        f.write('{"id": "torn')
+
+    proc = run_kvshot("data", "prepare", *common, "--out", str(resumed))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for split in ("train", "heldout"):
+        assert (resumed / f"{split}.jsonl").read_text() == (reference / f"{split}.jsonl").read_text()
+    records = read_records(train)
+    assert records[: len(partial)] == partial  # nothing already written was redone
+    assert len({r["id"] for r in records}) == len(records) == 6
+    assert all(r["response_token_ids"] for r in records)
+    manifest = json.loads((resumed / "manifest.json").read_text())
+    assert manifest["splits"]["train"]["records"] == 6
+    assert manifest["splits"]["heldout"]["records"] == 2
+    assert manifest["last_run"]["generated_prompts"] == 8 - len(partial)
+    assert manifest["target"]["name"] == "SmolLM2-135M-Instruct"
+    assert "tokens/s" in proc.stdout and "prompts/min" in proc.stdout
+
+
+def test_num_prompts_zero_is_refused(tmp_path: Path) -> None:
+    proc = run_kvshot("data", "prepare", "--data-dir", str(tmp_path), "--num-prompts", "0")
+    assert_one_line_error(proc, "--num-prompts must be at least 1")
+
+
+def test_not_sharegpt_is_refused(target_bf16: Path, tmp_path: Path) -> None:
+    for name, content in [("obj.json", '{"a": 1}'), ("list.json", '[{"text": "hello"}]'),
+                          ("garbage.json", "this is not json")]:
+        path = tmp_path / name
+        path.write_text(content)
+        proc = run_kvshot("data", "prepare", "--data-dir", str(tmp_path), "--target",
+                          str(target_bf16), "--sharegpt", str(path), "--num-prompts", "2",
+                          "--out", str(tmp_path / f"out-{name}"))
+        assert_one_line_error(proc, "not ShareGPT-shaped")
+
+
+@pytest.mark.slow
+def test_ray_workers_produce_the_same_data(target_bf16: Path, data_dir: Path,
+                                           tmp_path: Path) -> None:
+    common = ["--data-dir", str(data_dir), "--target", str(target_bf16), *SMALL]
+    one, two = tmp_path / "one", tmp_path / "two"
+    for out, workers in ((one, "1"), (two, "2")):
+        proc = run_kvshot("data", "prepare", *common, "--out", str(out), "--workers", workers)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    for split in ("train", "heldout"):
+        assert (one / f"{split}.jsonl").read_text() == (two / f"{split}.jsonl").read_text()
