@@ -71,6 +71,40 @@ def cmd_data_prepare(a: argparse.Namespace) -> None:
         print("nothing to regenerate: every prompt already has its response")
 
 
+# ----------------------------------------------------------------------------- drafter
+
+
+def _target_arg(a: argparse.Namespace) -> tuple[Path, Path]:
+    from kvshot_vllm.paths import resolve_data_dir
+    from kvshot_vllm.target import target_dir
+
+    data_dir = resolve_data_dir(a.data_dir)
+    target = Path(a.target) if a.target else target_dir(data_dir, "bfloat16")
+    if not (target / "config.json").is_file():
+        raise KVShotError(f"no target model at {target}; run `kvshot target prepare` first")
+    return data_dir, target
+
+
+def cmd_drafter_init(a: argparse.Namespace) -> None:
+    from kvshot_vllm.models.weights import init_checkpoint
+
+    _, target = _target_arg(a)
+    options = {"paradigm": a.paradigm, "num_layers": a.num_layers,
+               "kv_projection": a.kv_projection, "gate_init": a.gate_init}
+    if a.kv_layers:
+        options["kv_layers"] = a.kv_layers
+    out = init_checkpoint(target, Path(a.out), seed=a.seed, **options)
+    print(f"drafter: {out} ({a.paradigm}, untrained)")
+
+
+def cmd_drafter_oracle(a: argparse.Namespace) -> None:
+    from kvshot_vllm.models.oracle import build_oracle
+
+    _, target = _target_arg(a)
+    out = build_oracle(target, Path(a.out), sabotage_step=a.sabotage_step)
+    print(f"oracle drafter: {out}")
+
+
 # ----------------------------------------------------------------------------- parser
 
 
@@ -130,6 +164,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=1,
                    help="vLLM engines, one per Ray actor; 1 runs without Ray")
     p.set_defaults(func=cmd_data_prepare)
+
+    drafter = sub.add_parser("drafter", help="drafter checkpoints").add_subparsers(
+        dest="action", required=True, metavar="ACTION")
+    p = drafter.add_parser(
+        "init", help="a fresh (untrained) drafter checkpoint for a target",
+        description="Write config.json + model.safetensors of an untrained drafter: the start "
+        "of training, and a lossless-serving test subject.")
+    _add_data_dir(p)
+    p.add_argument("--target", help="HF directory of the target (default: the prepared bf16 one)")
+    p.add_argument("--paradigm", required=True, choices=["hidden", "kv", "hybrid"])
+    p.add_argument("--num-layers", type=int, default=1)
+    p.add_argument("--kv-layers", type=int, nargs="+",
+                   help="target layers whose KV cache is read (default: 3 uniformly spaced)")
+    p.add_argument("--kv-projection", default="head_concat", choices=["head_concat", "linear"])
+    p.add_argument("--gate-init", type=float, default=0.5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=cmd_drafter_init)
+
+    p = drafter.add_parser(
+        "oracle", help="the oracle drafter: the target's own layers reading its cache in place",
+        description="A KV-only drafter whose layers are the target's, each reading its target "
+        "layer's paged KV cache in place. vLLM accepts (nearly) all of its drafts when the "
+        "in-place reads are right.")
+    _add_data_dir(p)
+    p.add_argument("--target", help="HF directory of the target (default: the prepared bf16 one)")
+    p.add_argument("--sabotage-step", type=int,
+                   help="spoil this draft position on every other proposal (a test hook)")
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=cmd_drafter_oracle)
     return parser
 
 

@@ -7,8 +7,12 @@ registry-inspection subprocess.
 
 from __future__ import annotations
 
+from kvshot_vllm.models.config import KVSHOT_ARCH
+
 # architecture name (as written in a checkpoint's config.json) -> "module:Class"
-DRAFTER_ARCHITECTURES: dict[str, str] = {}
+DRAFTER_ARCHITECTURES: dict[str, str] = {
+    KVSHOT_ARCH: "kvshot_vllm.serving.drafter:KVShotEagle3LlamaForCausalLM",
+}
 
 
 def register_drafters() -> None:

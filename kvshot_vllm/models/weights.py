@@ -1,0 +1,137 @@
+"""Weight names and shapes of every drafter paradigm: one table used to initialise, check, save
+and load checkpoints, by the trainer and by the vLLM drafters alike.
+
+Names follow EAGLE-3 checkpoints (`fc`, `layers.N.self_attn.q_proj`, `norm`, `lm_head`, `d2t`),
+which vLLM's EAGLE-3 loader reads; the KV-reuse parts add `kv_layers.N.*` (KV-only) and
+`cross.*` / `merge.*` (hybrid).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from kvshot_vllm.errors import KVShotError
+from kvshot_vllm.models.config import DrafterConfig, TargetSpec, validated
+
+
+def _mlp(prefix: str, h: int, inter: int) -> dict[str, tuple[int, ...]]:
+    return {f"{prefix}.gate_proj.weight": (inter, h), f"{prefix}.up_proj.weight": (inter, h),
+            f"{prefix}.down_proj.weight": (h, inter)}
+
+
+def _cross(prefix: str, t: TargetSpec, s: int, in_size: int) -> dict[str, tuple[int, ...]]:
+    q, kv = s * t.num_attention_heads * t.head_dim, s * t.num_kv_heads * t.head_dim
+    return {f"{prefix}.q_proj.weight": (q, in_size), f"{prefix}.k_proj.weight": (kv, in_size),
+            f"{prefix}.v_proj.weight": (kv, in_size), f"{prefix}.o_proj.weight": (t.hidden_size, q)}
+
+
+def expected_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
+    t = cfg.target
+    h, heads, kv_heads, d = t.hidden_size, t.num_attention_heads, t.num_kv_heads, t.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"norm.weight": (h,),
+                                          "lm_head.weight": (cfg.draft_vocab_size, h)}
+    if cfg.draft_vocab_size != t.vocab_size:
+        shapes["d2t"] = (cfg.draft_vocab_size,)
+    if cfg.paradigm == "kv":
+        for i, reads in enumerate(cfg.layer_reads()):
+            p = f"kv_layers.{i}"
+            shapes |= {f"{p}.input_norm.weight": (h,), f"{p}.post_norm.weight": (h,)}
+            shapes |= _cross(f"{p}.cross", t, len(reads), h)
+            shapes |= _mlp(f"{p}.mlp", h, t.intermediate_size)
+        return shapes
+    shapes["fc.weight"] = (h, len(cfg.aux_layers) * h)
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}"
+        in_size = 2 * h if i == 0 else h
+        shapes |= {f"{p}.input_layernorm.weight": (h,), f"{p}.post_attention_layernorm.weight": (h,),
+                   f"{p}.self_attn.q_proj.weight": (heads * d, in_size),
+                   f"{p}.self_attn.k_proj.weight": (kv_heads * d, in_size),
+                   f"{p}.self_attn.v_proj.weight": (kv_heads * d, in_size),
+                   f"{p}.self_attn.o_proj.weight": (h, heads * d)}
+        shapes |= _mlp(f"{p}.mlp", h, t.intermediate_size)
+    shapes["layers.0.hidden_norm.weight"] = (h,)
+    if cfg.paradigm == "hybrid":
+        shapes |= _cross("cross", t, len(cfg.kv_layers), 2 * h)
+        shapes |= {"merge.delta_proj.weight": (h, h), "merge.gate": (h,)}
+    return shapes
+
+
+def init_weights(cfg: DrafterConfig, seed: int = 0, std: float = 0.02,
+                 lm_head: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Fresh weights: norms at one, the gate at `gate_init`, projections N(0, std); `lm_head`
+    (e.g. the target's, restricted to the draft vocabulary) if given."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = {}
+    for name, shape in expected_shapes(cfg).items():
+        if name.endswith("norm.weight"):
+            weights[name] = torch.ones(shape)
+        elif name == "merge.gate":
+            weights[name] = torch.full(shape, cfg.gate_init)
+        elif name == "d2t":
+            weights[name] = torch.zeros(shape, dtype=torch.long)
+        else:
+            weights[name] = torch.randn(shape, generator=gen) * std
+    if lm_head is not None:
+        weights["lm_head.weight"] = lm_head.detach().float().clone()
+    return weights
+
+
+def check_drafter_weights(cfg: DrafterConfig, weights: dict[str, torch.Tensor]) -> None:
+    """Every expected tensor present with its shape; a clear error otherwise."""
+    for name, shape in expected_shapes(cfg).items():
+        if name not in weights:
+            raise KVShotError(f"drafter checkpoint is missing weight {name!r} "
+                              f"(paradigm {cfg.paradigm})")
+        if tuple(weights[name].shape) != shape:
+            raise KVShotError(f"drafter weight {name!r} has shape {tuple(weights[name].shape)}, "
+                              f"expected {shape}")
+
+
+def save_checkpoint(cfg: DrafterConfig, weights: dict[str, torch.Tensor], out_dir: Path,
+                    dtype: torch.dtype = torch.float32) -> Path:
+    """config.json + model.safetensors, written beside and renamed: never half a checkpoint."""
+    from safetensors.torch import save_file
+
+    check_drafter_weights(cfg, weights)
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".partial")
+    tmp.mkdir(parents=True, exist_ok=True)
+    tensors = {n: (w if w.dtype == torch.long else w.to(dtype)).contiguous()
+               for n, w in weights.items()}
+    save_file(tensors, tmp / "model.safetensors")
+    (tmp / "config.json").write_text(json.dumps(cfg.to_hf_config(), indent=2))
+    if out_dir.exists():
+        import shutil
+
+        shutil.rmtree(out_dir)
+    tmp.rename(out_dir)
+    return out_dir
+
+
+def target_spec(target_dir: Path) -> TargetSpec:
+    from transformers import AutoConfig
+
+    return TargetSpec.from_hf_config(AutoConfig.from_pretrained(target_dir), Path(target_dir).name)
+
+
+def target_lm_head(target_dir: Path) -> torch.Tensor:
+    """The target's output embedding (tied to the input embedding in SmolLM2)."""
+    from safetensors import safe_open
+
+    files = sorted(Path(target_dir).glob("*.safetensors"))
+    for name in ("lm_head.weight", "model.embed_tokens.weight"):
+        for f in files:
+            with safe_open(f, "pt") as st:
+                if name in st.keys():
+                    return st.get_tensor(name)
+    raise KVShotError(f"no lm_head or embed_tokens weight in {target_dir}")
+
+
+def init_checkpoint(target_dir: Path, out_dir: Path, seed: int = 0, **options) -> Path:
+    """A fresh drafter for the target in `target_dir`, with the target's lm_head."""
+    cfg = validated({"target": target_spec(target_dir), **options})
+    weights = init_weights(cfg, seed=seed, lm_head=target_lm_head(target_dir))
+    return save_checkpoint(cfg, weights, out_dir)

@@ -1,0 +1,96 @@
+"""Attention metadata for the cross-attention layers that read the target's paged cache.
+
+vLLM's draft metadata lets a row at EAGLE position p see keys [0, p]. A row at position p carries
+token p + 1, and a KV-reuse layer attends like the target would for that token: keys [0, p + 1],
+where slot p + 1 holds either the target's K/V (a verified token) or the drafter's own K/V, which
+the drafter writes there just before it attends (see drafter.py). So the builder here serves
+seq_lens + 1 for every draft step, and names the slot of each request's last row: the one token
+per request per step that is never verified.
+
+The builder is a subclass of the platform backend's builder (CPU here, FlashAttention on GPUs),
+so scheduling metadata is still computed by the backend itself, for the adjusted lengths. A
+subclass also gives the cross layers their own attention group in the proposer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import cache
+
+import torch
+
+PAD_SLOT = -1
+
+
+def draft_lengths(seq_lens: torch.Tensor, step0_seq_lens: torch.Tensor | None,
+                  draft_index: int) -> torch.Tensor:
+    """Key counts for a draft step: one more than vLLM's, so a row sees the token it carries.
+
+    In the non-padded drafter batch the proposer's seq_lens after step 0 are unreliable on CPU
+    (vLLM 0.32 aliases `seq_lens` with `seq_lens_cpu_upper_bound` when pinned memory is
+    unavailable, and increments both), so there they are rebuilt from step 0's lengths, which
+    equal the verified lengths in that mode.
+    """
+    if draft_index > 0 and step0_seq_lens is not None:
+        return step0_seq_lens + draft_index + 1
+    return seq_lens + 1
+
+
+def write_slots(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
+                max_model_len: int) -> torch.Tensor:
+    """Slot of token position seq_len - 1 (the last row's carried token) per request; PAD_SLOT
+    past the model length, where vLLM allocated nothing."""
+    pos = (seq_lens - 1).long()
+    inside = pos < max_model_len
+    pos = torch.where(inside, pos, torch.zeros_like(pos))
+    blocks = block_table.gather(1, (pos // block_size).unsqueeze(1)).squeeze(1).long()
+    slots = blocks * block_size + pos % block_size
+    return torch.where(inside, slots, torch.full_like(slots, PAD_SLOT))
+
+
+class DraftKVBuilderMixin:
+    """Mixed into a backend's metadata builder; see the module docstring."""
+
+    _step0_seq_lens: torch.Tensor | None = None
+
+    def build_for_drafting(self, common_attn_metadata, draft_index: int):
+        cad = common_attn_metadata
+        n = cad.num_reqs
+        spec = self.vllm_config.speculative_config
+        non_padded = spec is not None and spec.disable_padded_drafter_batch
+        if draft_index == 0:
+            self._step0_seq_lens = cad.seq_lens[:n].clone() if non_padded else None
+        seq_lens = draft_lengths(cad.seq_lens[:n], self._step0_seq_lens, draft_index)
+        seq_lens = seq_lens.to(cad.seq_lens.dtype)
+        cad = dataclasses.replace(cad, seq_lens=seq_lens, max_seq_len=int(seq_lens.max()) if n else 0)
+        md = self.build(common_prefix_len=0, common_attn_metadata=cad, fast_build=True)
+        md.kvshot_write_slots = write_slots(
+            cad.block_table_tensor[:n], seq_lens, self.kv_cache_spec.block_size,
+            self.vllm_config.model_config.max_model_len)
+        md.kvshot_write_rows = cad.query_start_loc[1 : n + 1].long() - 1
+        return md
+
+
+@cache
+def draft_kv_backend(base_backend: type) -> type:
+    """A subclass of `base_backend` whose builder is `DraftKVBuilderMixin` + the base builder.
+
+    get_name() is inherited: vLLM maps it through AttentionBackendEnum.
+    """
+    base_builder = base_backend.get_builder_cls()
+    builder = type(f"DraftKV{base_builder.__name__}", (DraftKVBuilderMixin, base_builder), {})
+    return type(f"DraftKV{base_backend.__name__}", (base_backend,),
+                {"get_builder_cls": staticmethod(lambda: builder), "__module__": __name__})
+
+
+def platform_backend() -> type:
+    """The backend vLLM uses for the target's attention on this platform."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        return CPUAttentionBackend
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+
+    return FlashAttentionBackend

@@ -1,0 +1,222 @@
+"""vLLM drafters that read the target's paged KV cache in place (run with method "eagle3").
+
+A KV-reuse layer attends for the token a row carries (EAGLE's row at position p carries token
+p + 1 = q) over keys [0, q]:
+
+    target K/V of verified tokens   read in place from the target layer's paged cache
+    draft K/V of the others         the drafter's own projections (bonus token, drafts)
+
+Design choice (a) of ARCHITECTURE.md: the drafter writes its own K/V into the *target* layer's
+cache at speculative slots, then one call of vLLM's attention op covers both parts. In each
+draft forward exactly one row per request carries a token that is not verified: the last one
+(step 0: the bonus token, or in the padded drafter batch a token past the scheduled ones; step
+j: draft j). Only that row's K/V is written, at slot q >= V (V = verified length). Such slots
+hold only rejected or not-yet-verified data: the target's next pass writes them before it reads
+them, prefix caching hashes only blocks of verified tokens, and the scheduler allocated them as
+lookahead slots of the same request. Metadata: `backend.py`.
+
+The cross-attention layers are `Attention` layers declared with `kv_sharing_target_layer_name`:
+vLLM allocates no cache for them and binds their `kv_cache` to the target layer's tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn as nn
+
+from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.forward_context import get_forward_context, is_forward_context_available
+from vllm.logger import init_logger
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.rotary_embedding import get_rope
+from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
+
+from kvshot_vllm.models.config import DrafterConfig, TargetSpec, load_drafter_config
+from kvshot_vllm.models.layers import GatedDelta, SwiGLU
+from kvshot_vllm.models.weights import check_drafter_weights
+from kvshot_vllm.serving.backend import draft_kv_backend, platform_backend
+from kvshot_vllm.serving.checks import check_against_target
+
+# Under the "vllm." namespace: loggers outside it are silent in vLLM worker processes.
+logger = init_logger(f"vllm.{__name__}")
+
+
+def target_attention_name(layer: int) -> str:
+    """vLLM's name of a Llama/Qwen3 target layer's attention (the cache we read)."""
+    return f"model.layers.{layer}.self_attn.attn"
+
+
+class TargetKVAttention(nn.Module):
+    """Attention of drafter queries over the target's cached K/V of the sampled layers.
+
+    head_concat: one attention per sampled target layer over that layer's KV heads, outputs
+    concatenated and projected: [T, in] -> [T, hidden].
+    """
+
+    def __init__(self, in_size: int, target: TargetSpec, kv_layers: list[int], first_index: int,
+                 rope: nn.Module, cache_config) -> None:
+        super().__init__()
+        self.num_sampled = len(kv_layers)
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            target.num_attention_heads, target.num_kv_heads, target.head_dim)
+        q_size = self.num_sampled * self.num_heads * self.head_dim
+        kv_size = self.num_sampled * self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(in_size, q_size, bias=False)
+        self.k_proj = nn.Linear(in_size, kv_size, bias=False)
+        self.v_proj = nn.Linear(in_size, kv_size, bias=False)
+        self.o_proj = nn.Linear(q_size, target.hidden_size, bias=False)
+        self.rope = rope
+        backend = draft_kv_backend(platform_backend())
+        # One vLLM attention per sampled layer, sharing that target layer's cache. A layer name
+        # must hold exactly one integer (vLLM derives the layer index from it).
+        self.attn = nn.ModuleList(
+            Attention(self.num_heads, self.head_dim, self.head_dim**-0.5,
+                      num_kv_heads=self.num_kv_heads, cache_config=cache_config,
+                      prefix=f"kvshot_cross.{first_index + s}.attn",
+                      kv_sharing_target_layer_name=target_attention_name(layer),
+                      attn_backend=backend)
+            for s, layer in enumerate(kv_layers)
+        )
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        # Query and own key sit at the position of the carried token.
+        q, k = self.rope(positions + 1, self.q_proj(x), self.k_proj(x))
+        q = q.view(t, self.num_sampled, self.num_heads * self.head_dim)
+        k = k.view(t, self.num_sampled, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_sampled, self.num_kv_heads, self.head_dim)
+        unused_kv = x.new_zeros(t, self.num_kv_heads * self.head_dim)
+        outs = []
+        for s, attn in enumerate(self.attn):
+            md = _metadata(attn.layer_name)
+            if md is not None and hasattr(md, "kvshot_write_slots"):
+                rows = md.kvshot_write_rows
+                attn.impl.do_kv_cache_update(attn, k[rows, s].contiguous(),
+                                             v[rows, s].contiguous(), attn.kv_cache,
+                                             md.kvshot_write_slots)
+            outs.append(attn(q[:, s], unused_kv, unused_kv))
+        return self.o_proj(torch.cat(outs, dim=-1))
+
+
+def _metadata(layer_name: str):
+    """This layer's attention metadata in the current forward, None in dummy/profile runs."""
+    if not is_forward_context_available():
+        return None
+    md = get_forward_context().attn_metadata
+    md = md[0] if isinstance(md, list) else md
+    return md.get(layer_name) if isinstance(md, dict) else None
+
+
+class KVLayer(nn.Module):
+    """A KV-only drafter layer (Llama block): pre-norm cross-attention over target KV, then an
+    MLP."""
+
+    def __init__(self, target: TargetSpec, kv_layers: list[int], first_index: int,
+                 rope: nn.Module, cache_config) -> None:
+        super().__init__()
+        h = target.hidden_size
+        self.input_norm = RMSNorm(h, eps=target.rms_norm_eps)
+        self.cross = TargetKVAttention(h, target, kv_layers, first_index, rope, cache_config)
+        self.post_norm = RMSNorm(h, eps=target.rms_norm_eps)
+        self.mlp = SwiGLU(h, target.intermediate_size)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = x + self.cross(self.input_norm(x), positions)
+        return x + self.mlp(self.post_norm(x))
+
+
+class KVShotEagle3LlamaForCausalLM(Eagle3LlamaForCausalLM):
+    """KV-only and hybrid drafters (hidden-only ones are stock `Eagle3LlamaForCausalLM`).
+
+    Subclasses vLLM's EAGLE-3 model because the proposer asserts that class, and reuses its
+    fc / self-attention layer / norm / lm_head (with d2t) for the hybrid.
+    """
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        draft_hf_config = vllm_config.speculative_config.draft_model_config.hf_config
+        cfg = load_drafter_config({"kvshot": getattr(draft_hf_config, "kvshot", None)})
+        check_against_target(cfg, vllm_config.model_config.hf_config)
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self.kvshot, target = cfg, cfg.target
+        cache_config = get_current_vllm_config().cache_config
+        self.rope = get_rope(target.head_dim,
+                             max_position=vllm_config.model_config.max_model_len + 1,
+                             rope_parameters={"rope_theta": target.rope_theta,
+                                              "rope_type": "default"},
+                             dtype=vllm_config.model_config.dtype)
+        first_index = target.num_layers + cfg.eagle_layers
+        if cfg.paradigm == "kv":
+            reads = cfg.layer_reads()
+            starts = [first_index + sum(len(r) for r in reads[:i]) for i in range(len(reads))]
+            self.kv_layers = nn.ModuleList(
+                KVLayer(target, r, start, self.rope, cache_config)
+                for r, start in zip(reads, starts))
+        else:  # hybrid: the first EAGLE-3 layer gets a cross-attention correction
+            self.cross = TargetKVAttention(2 * target.hidden_size, target, cfg.kv_layers,
+                                           first_index, self.rope, cache_config)
+            self.merge = GatedDelta(target.hidden_size, cfg.gate_init)
+        self._draft_step = 0
+        if not vllm_config.speculative_config.disable_padded_drafter_batch:
+            logger.warning(
+                "kvshot: KV-reuse drafter served with the padded drafter batch: after a "
+                "rejection the bonus token's own K/V is not yet written when draft 0 is made, "
+                "which costs acceptance at position 0 (never correctness). Set "
+                '"disable_padded_drafter_batch": true in --speculative-config.')
+
+    # Called once at the top of every propose(), before draft step 0.
+    def combine_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        self._draft_step = 0
+        self._proposals = getattr(self, "_proposals", 0) + 1
+        return super().combine_hidden_states(hidden_states)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                hidden_states: torch.Tensor, inputs_embeds: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if inputs_embeds is None:
+            inputs_embeds = self.model.embed_input_ids(input_ids)
+        if self.kvshot.paradigm == "kv":
+            x = inputs_embeds
+            for layer in self.kv_layers:
+                x = layer(x, positions)
+            return self.model.norm(x), x
+        return self._hybrid_forward(inputs_embeds, positions, hidden_states)
+
+    def _hybrid_forward(self, embeds: torch.Tensor, positions: torch.Tensor,
+                        hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # vLLM's EAGLE-3 decoder layer 0, with the cross-attention merged into its attention.
+        first, *rest = self.model.layers
+        embeds = first.input_layernorm(embeds)
+        hidden_states, residual = first._residual_norm(hidden_states=hidden_states)
+        x = torch.cat([embeds, hidden_states], dim=-1)
+        o_self = first.self_attn(positions=positions, hidden_states=x)
+        attn_out = self.merge(o_self, self.cross(x, positions))
+        hidden_states, residual = first.post_attention_layernorm(attn_out, residual)
+        hidden_states = first.mlp(hidden_states)
+        for layer in rest:
+            hidden_states, residual = layer(positions=positions, embeds=embeds,
+                                            hidden_states=hidden_states, residual=residual)
+        return self.model.norm(hidden_states, residual)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        logits = super().compute_logits(hidden_states)
+        step, self._draft_step = self._draft_step, self._draft_step + 1
+        # Test hook: spoil one draft position on every other proposal, so that a test can see
+        # the rejection at exactly that position of vLLM's acceptance counters, and that the
+        # next proposal recovers from the stale slots it leaves.
+        if step == self.kvshot.sabotage_step and self._proposals % 2 == 0:
+            logits = logits.roll(1, dims=-1)
+        return logits
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        weights = dict(weights)
+        check_drafter_weights(self.kvshot, weights)
+        ours = {n: w for n, w in weights.items()
+                if n.split(".")[0] in ("kv_layers", "cross", "merge")}
+        params = dict(self.named_parameters())
+        for name, w in ours.items():
+            with torch.no_grad():
+                params[name].copy_(w.to(params[name].dtype))
+        super().load_weights((n, w) for n, w in weights.items() if n not in ours)
