@@ -1,0 +1,141 @@
+"""What a drafter costs inside vLLM, side by side against stock EAGLE-3 with the same k:
+
+- drafting time per draft step (median over proposals, batch of one request), measured around
+  the proposer's `propose()` in the worker process;
+- KV cache bytes per token the drafter adds (KV-reuse cross layers should add zero);
+- the number of max-length sequences vLLM admits in the same KV cache space.
+
+Drafting cost does not depend on the weights, so untrained drafters are measured.
+
+    python bench/drafter_cost.py [--k 3] [--out bench/results/drafter_cost]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # timer installed by rpc
+
+PROMPTS = [
+    "Explain how a hash map works, with an example in Python.",
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "What are the main differences between TCP and UDP?",
+    "Give me a recipe for a vegetarian lasagna.",
+]
+
+
+def _install_timer(worker) -> None:
+    drafter = worker.model_runner.drafter
+    original = drafter.propose
+    drafter.kvshot_times = []
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        out = original(*args, **kwargs)
+        drafter.kvshot_times.append(time.perf_counter() - start)
+        return out
+
+    drafter.propose = timed
+
+
+def _read_timer(worker) -> list[float]:
+    return list(worker.model_runner.drafter.kvshot_times)
+
+
+def measure(target: Path, data_dir: Path, drafter: Path | None, k: int, max_tokens: int,
+            max_model_len: int) -> dict:
+    from vllm import SamplingParams
+
+    from kvshot_vllm.engine import make_llm
+
+    spec = None
+    if drafter is not None:
+        spec = {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": k}
+        if json.loads((drafter / "config.json").read_text())["kvshot"]["paradigm"] != "hidden":
+            spec["disable_padded_drafter_batch"] = True
+    llm = make_llm(target, data_dir, speculative_config=spec, max_model_len=max_model_len,
+                   max_num_seqs=1)
+    cache = llm.llm_engine.vllm_config.cache_config
+    capacity_tokens = cache.num_gpu_blocks * cache.block_size
+    cache_bytes = float(os.environ["VLLM_CPU_KVCACHE_SPACE"]) * 2**30
+    result = {"kv_capacity_tokens": capacity_tokens,
+              "kv_bytes_per_token": cache_bytes / capacity_tokens,
+              "max_concurrent_sequences": capacity_tokens // max_model_len}
+    if spec is not None:
+        llm.collective_rpc(_install_timer)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    for prompt in PROMPTS:  # one request at a time: drafting latency at concurrency 1
+        llm.generate(prompt, params, use_tqdm=False)
+    result["generate_s"] = time.perf_counter() - start
+    if spec is not None:
+        times = llm.collective_rpc(_read_timer)[0][1:]  # the first call warms up
+        result["proposals"] = len(times)
+        result["draft_step_ms_median"] = 1e3 * statistics.median(times) / k
+    del llm
+    return result
+
+
+def main() -> None:
+    from kvshot_vllm.engine import configure_vllm_env, default_dtype
+    from kvshot_vllm.models.weights import init_checkpoint
+    from kvshot_vllm.paths import resolve_data_dir
+    from kvshot_vllm.target import prepare_target
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--out", default="bench/results/drafter_cost")
+    a = ap.parse_args()
+
+    data_dir = resolve_data_dir()
+    configure_vllm_env(data_dir)
+    target, _ = prepare_target(data_dir, "bfloat16")
+    drafters = {p: init_checkpoint(target, data_dir / "bench-drafters" / p, paradigm=p)
+                for p in ("hidden", "kv", "hybrid")}
+    runs = {"no speculation": measure(target, data_dir, None, a.k, a.max_tokens,
+                                      a.max_model_len)}
+    for name, label in (("hidden", "stock EAGLE-3 (hidden-only)"), ("kv", "KV-only, 1 layer"),
+                        ("hybrid", "hybrid")):
+        runs[label] = measure(target, data_dir, drafters[name], a.k, a.max_tokens,
+                              a.max_model_len)
+        print(label, runs[label], flush=True)
+
+    base, stock = runs["no speculation"], runs["stock EAGLE-3 (hidden-only)"]
+    for r in runs.values():
+        # every layer with a cache stores each token: what the drafter adds per token
+        r["drafter_kv_bytes_per_token"] = r["kv_bytes_per_token"] - base["kv_bytes_per_token"]
+        if "draft_step_ms_median" in r:
+            r["draft_step_vs_stock_eagle3"] = (r["draft_step_ms_median"]
+                                               / stock["draft_step_ms_median"])
+    env = {"python": sys.version.split()[0], "platform": platform.platform(),
+           "cpu": platform.processor() or platform.machine(), "dtype": default_dtype(),
+           "k": a.k, "kv_cache_gib": os.environ["VLLM_CPU_KVCACHE_SPACE"],
+           "max_model_len": a.max_model_len, "command": " ".join(["python", *sys.argv])}
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"env": env, "runs": runs}, indent=2))
+    lines = [f"Drafter cost on {target.name}, k={a.k}, dtype {env['dtype']}, "
+             f"{env['kv_cache_gib']} GiB KV cache, max_model_len {a.max_model_len}.",
+             f"Regenerate: `{env['command']}`", "",
+             "| configuration | draft step ms (median) | vs stock EAGLE-3 | drafter KV bytes/token "
+             "| KV capacity (tokens) | max concurrent seqs |", "|---|---|---|---|---|---|"]
+    for name, r in runs.items():
+        step = f"{r['draft_step_ms_median']:.2f}" if "draft_step_ms_median" in r else "-"
+        ratio = f"{r['draft_step_vs_stock_eagle3']:.2f}x" if "draft_step_vs_stock_eagle3" in r else "-"
+        lines.append(f"| {name} | {step} | {ratio} | {r['drafter_kv_bytes_per_token']:.0f} | "
+                     f"{r['kv_capacity_tokens']} | {r['max_concurrent_sequences']} |")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

