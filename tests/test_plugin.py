@@ -24,6 +24,7 @@ from kvshot_vllm.server import VLLMServer, free_port, serve_command
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
 MAX_TOKENS = 24
+PREEMPTION_TOKENS = 96
 ENGINE = dict(dtype="float32", max_model_len=512, enable_prefix_caching=True,
               enable_chunked_prefill=True, max_num_batched_tokens=64, disable_log_stats=False)
 NON_PADDED = {"disable_padded_drafter_batch": True}
@@ -55,7 +56,7 @@ def _shared_caches(worker) -> list[tuple[str, str, bool]]:
 
 
 def generate(target: Path, data_dir: Path, prompts: list[list[int]], spec: dict | None = None,
-             **engine):
+             max_tokens: int = MAX_TOKENS, **engine):
     """Greedy token ids per prompt, spec-decode (and preemption) counters, KV cache blocks, and
     the KV-reuse layers' cache bindings."""
     from vllm import SamplingParams
@@ -66,7 +67,7 @@ def generate(target: Path, data_dir: Path, prompts: list[list[int]], spec: dict 
     llm = make_llm(target, data_dir, speculative_config=spec, **{**ENGINE, **engine})
     try:
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                            SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                            SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
                             use_tqdm=False)
         counters = {m.name.removeprefix("vllm:spec_decode_"): getattr(m, "values", None)
                     or getattr(m, "value", 0) for m in llm.get_metrics()
@@ -79,8 +80,16 @@ def generate(target: Path, data_dir: Path, prompts: list[list[int]], spec: dict 
 
 
 @pytest.fixture(scope="module")
-def baseline(target_fp32: Path, data_dir: Path, prompts):
-    return generate(target_fp32, data_dir, prompts)
+def long_baseline(target_fp32: Path, data_dir: Path, prompts):
+    """Generation without speculation, long enough for the preemption test."""
+    return generate(target_fp32, data_dir, prompts, max_tokens=PREEMPTION_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def baseline(long_baseline):
+    """The same, cut to MAX_TOKENS: greedy outputs are prefixes of longer greedy outputs."""
+    tokens, counters, blocks = long_baseline
+    return [t[:MAX_TOKENS] for t in tokens], counters, blocks
 
 
 @pytest.fixture(scope="module")
@@ -158,16 +167,17 @@ def test_oracle_sabotage_shows_at_its_position(target_fp32, data_dir, prompts, b
 
 
 @pytest.mark.parametrize("paradigm", ["oracle", pytest.param("kv", marks=pytest.mark.slow)])
-def test_lossless_under_preemption(paradigm, target_fp32, data_dir, prompts, baseline,
+def test_lossless_under_preemption(paradigm, target_fp32, data_dir, prompts, long_baseline,
                                    drafters) -> None:
-    """A KV cache too small for 16 concurrent requests: vLLM preempts and recomputes; every
+    """A KV cache too small for 16 growing requests: vLLM preempts and recomputes; every
     request still completes with the same tokens."""
     tokens, counters, blocks = generate(target_fp32, data_dir, prompts,
                                         spec(drafters[paradigm], 3, **NON_PADDED),
-                                        num_gpu_blocks_override=40, block_size=16)
-    assert blocks == 40
+                                        max_tokens=PREEMPTION_TOKENS,
+                                        num_gpu_blocks_override=24, block_size=32)
+    assert blocks == 24
     assert counters["vllm:num_preemptions"] > 0, counters
-    assert tokens == baseline[0]
+    assert tokens == long_baseline[0]
     if paradigm == "oracle":
         assert sum(counters["num_accepted_tokens_per_pos"]) >= 0.97 * 3 * counters["num_drafts"]
 
@@ -231,7 +241,7 @@ def test_served_drafter_answers_openai_and_moves_metrics(target_fp32, data_dir, 
     import openai
     import urllib.request
 
-    config = json.loads(Path("serving_configs/kv.json").read_text())
+    config = json.loads((Path(__file__).parents[1] / "serving_configs/kv.json").read_text())
     config["model"] = str(drafters["kv"])
     port = free_port()
     cmd = serve_command(target_fp32, port, json.dumps(config), dtype="float32",

@@ -1,0 +1,78 @@
+"""Drafter config and checkpoint format: pure logic, no engine."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from kvshot_vllm.errors import KVShotError
+from kvshot_vllm.models.config import TargetSpec, default_layers, load_drafter_config, validated
+from kvshot_vllm.models.weights import (check_drafter_weights, expected_shapes, init_weights,
+                                        save_checkpoint)
+
+SMOL = TargetSpec(name="smol", hidden_size=576, vocab_size=49152, num_layers=30,
+                  num_attention_heads=9, num_kv_heads=3, head_dim=64, rope_theta=1e5,
+                  rms_norm_eps=1e-5, intermediate_size=1536)
+
+
+def test_defaults_follow_kvshot() -> None:
+    cfg = validated({"paradigm": "kv", "target": SMOL})
+    assert cfg.kv_layers == [0, 14, 29] == default_layers(30, 3)
+    assert cfg.eagle_layers == 0 and not cfg.uses_aux_hidden
+    hybrid = validated({"paradigm": "hybrid", "target": SMOL})
+    assert hybrid.eagle_layers == 1 and hybrid.aux_layers == [2, 15, 27]
+    assert validated({"paradigm": "hidden", "target": SMOL}).architecture == "Eagle3LlamaForCausalLM"
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"paradigm": "kv", "kv_layers": [3, 30]}, "kv_layers [30] out of range for a target with 30 layers"),
+    ({"paradigm": "hidden", "kv_layers": [1]}, "reads no target KV"),
+    ({"paradigm": "mystery"}, "paradigm: Input should be 'hidden', 'kv' or 'hybrid'"),
+    ({"paradigm": "kv", "kv_layer_map": "aligned"}, "one kv_layer per drafter layer"),
+    ({"paradigm": "kv", "draft_vocab_size": 60000}, "draft_vocab_size 60000"),
+])
+def test_bad_configs_name_the_problem(fields, message) -> None:
+    with pytest.raises(KVShotError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        validated({**fields, "target": SMOL})
+
+
+def test_target_mismatch_names_each_field() -> None:
+    other = SMOL.model_copy(update={"hidden_size": 960, "num_layers": 32, "name": "other"})
+    problems = SMOL.mismatches(other)
+    assert problems == ["hidden_size: drafter was trained for 576, target has 960",
+                        "num_layers: drafter was trained for 30, target has 32"]
+
+
+@pytest.mark.parametrize("paradigm", ["hidden", "kv", "hybrid"])
+def test_checkpoint_round_trip(paradigm: str, tmp_path: Path) -> None:
+    cfg = validated({"paradigm": paradigm, "target": SMOL, "draft_vocab_size": 8000})
+    weights = init_weights(cfg, seed=1)
+    out = save_checkpoint(cfg, weights, tmp_path / paradigm)
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["architectures"] == [cfg.architecture] and raw["draft_vocab_size"] == 8000
+    assert load_drafter_config(out) == cfg
+    loaded = load_file(out / "model.safetensors")
+    assert set(loaded) == set(expected_shapes(cfg))
+    assert all((loaded[n].float() == w.float()).all() for n, w in weights.items())
+    assert not (tmp_path / f"{paradigm}.partial").exists()
+
+
+def test_missing_or_misshapen_weight() -> None:
+    cfg = validated({"paradigm": "hybrid", "target": SMOL})
+    weights = init_weights(cfg)
+    del weights["merge.gate"]
+    with pytest.raises(KVShotError, match="missing weight 'merge.gate'"):
+        check_drafter_weights(cfg, weights)
+    weights = init_weights(cfg)
+    weights["cross.q_proj.weight"] = weights["cross.q_proj.weight"][:10]
+    with pytest.raises(KVShotError, match="cross.q_proj.weight"):
+        check_drafter_weights(cfg, weights)
+
+
+def test_not_a_kvshot_checkpoint(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(KVShotError, match="no 'kvshot' block"):
+        load_drafter_config(tmp_path)
