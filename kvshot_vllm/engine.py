@@ -22,8 +22,8 @@ def on_cpu() -> bool:
 
 
 def cpu_has_native_bf16() -> bool:
-    """Without AVX512-BF16 or AMX, bf16 matmuls are emulated and several times slower than fp32
-    (seen here: 22 vs 84 tok/s at batch 16 on an AVX2-only EPYC)."""
+    """Without AVX512-BF16 or AMX, bf16 matmuls are emulated: fp32 is much faster for batched
+    decoding, a little slower at batch 1 (bench/cpu_dtype_speed.py)."""
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
