@@ -7,9 +7,10 @@ and fp32, side by side in one run (greedy, 64 new tokens, batch 1/8/16).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
+
+from kvshot_vllm.results import write_results
 
 from kvshot_vllm.engine import cpu_has_native_bf16
 
@@ -50,11 +51,7 @@ def main() -> None:
     for n in batches:
         bf, fp = runs["bfloat16"][n], runs["float32"][n]
         lines.append(f"| {n} | {bf:.1f} | {fp:.1f} | {fp / bf:.2f}x |")
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(runs, indent=2))
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(a.out, runs, lines)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from kvshot_vllm.results import write_results
+
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # timer installed by rpc
 
 PROMPTS = [
@@ -120,9 +122,6 @@ def main() -> None:
            "cpu": platform.processor() or platform.machine(), "dtype": default_dtype(),
            "k": a.k, "kv_cache_gib": os.environ["VLLM_CPU_KVCACHE_SPACE"],
            "max_model_len": a.max_model_len, "command": " ".join(["python", *sys.argv])}
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"env": env, "runs": runs}, indent=2))
     lines = [f"Drafter cost on {target.name}, k={a.k}, dtype {env['dtype']}, "
              f"{env['kv_cache_gib']} GiB KV cache, max_model_len {a.max_model_len}.",
              f"Regenerate: `{env['command']}`", "",
@@ -133,8 +132,7 @@ def main() -> None:
         ratio = f"{r['draft_step_vs_stock_eagle3']:.2f}x" if "draft_step_vs_stock_eagle3" in r else "-"
         lines.append(f"| {name} | {step} | {ratio} | {r['drafter_kv_bytes_per_token']:.0f} | "
                      f"{r['kv_capacity_tokens']} | {r['max_concurrent_sequences']} |")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(a.out, {"env": env, "runs": runs}, lines)
 
 
 if __name__ == "__main__":

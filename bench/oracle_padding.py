@@ -7,8 +7,9 @@ per-position acceptance (vLLM's counters) shows what each mode costs a KV-reuse 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
+
+from kvshot_vllm.results import write_results
 
 PROMPTS = ["The capital of France is", "Write a poem about the sea:", "def fibonacci(n):",
            "List three colors:", "Explain photosynthesis in simple terms.",
@@ -55,11 +56,7 @@ def main() -> None:
     for mode, r in runs.items():
         rates = ", ".join(f"{x / r['drafts']:.2f}" for x in r["accepted_per_position"])
         lines.append(f"| {mode} | {r['drafts']} | {r['accepted_per_position']} | {rates} |")
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(runs, indent=2))
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(a.out, runs, lines)
 
 
 if __name__ == "__main__":

