@@ -158,7 +158,8 @@ class KVShotEagle3LlamaForCausalLM(Eagle3LlamaForCausalLM):
             self.cross = TargetKVAttention(2 * target.hidden_size, target, cfg.kv_layers,
                                            first_index, self.rope, cache_config)
             self.merge = GatedDelta(target.hidden_size, cfg.gate_init)
-        self._draft_step = 0
+        self._draft_step = 0  # which draft position compute_logits is making
+        self._proposals = 0
         if not vllm_config.speculative_config.disable_padded_drafter_batch:
             logger.warning(
                 "kvshot: KV-reuse drafter served with the padded drafter batch: after a "
@@ -169,7 +170,7 @@ class KVShotEagle3LlamaForCausalLM(Eagle3LlamaForCausalLM):
     # Called once at the top of every propose(), before draft step 0.
     def combine_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
         self._draft_step = 0
-        self._proposals = getattr(self, "_proposals", 0) + 1
+        self._proposals += 1
         return super().combine_hidden_states(hidden_states)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
