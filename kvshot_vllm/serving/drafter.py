@@ -142,10 +142,13 @@ class KVShotEagle3LlamaForCausalLM(Eagle3LlamaForCausalLM):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self.kvshot, target = cfg, cfg.target
         cache_config = get_current_vllm_config().cache_config
+        # The served target's own RoPE (scaling included, e.g. Llama-3.1's), so that drafter
+        # queries and keys rotate exactly like the cached target keys they meet.
+        target_rope = getattr(vllm_config.model_config.hf_config, "rope_parameters", None)
         self.rope = get_rope(target.head_dim,
                              max_position=vllm_config.model_config.max_model_len + 1,
-                             rope_parameters={"rope_theta": target.rope_theta,
-                                              "rope_type": "default"},
+                             rope_parameters=target_rope or {"rope_theta": target.rope_theta,
+                                                             "rope_type": "default"},
                              dtype=vllm_config.model_config.dtype)
         first_index = target.num_layers + cfg.eagle_layers
         if cfg.paradigm == "kv":
