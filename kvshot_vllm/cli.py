@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 from kvshot_vllm.errors import KVShotError
@@ -33,12 +34,12 @@ def _group(sub, name: str, help: str):
 
 def cmd_target_prepare(a: argparse.Namespace) -> None:
     from kvshot_vllm.paths import resolve_data_dir
-    from kvshot_vllm.target import chat_answer, check_in_vllm, prepare_target, timed
+    from kvshot_vllm.target import chat_answer, check_in_vllm, prepare_target
 
     data_dir = resolve_data_dir(a.data_dir)
-    (path, reused), seconds = timed(
-        prepare_target, data_dir, dtype=a.dtype, gguf=a.gguf, force=a.force
-    )
+    start = time.perf_counter()
+    path, reused = prepare_target(data_dir, dtype=a.dtype, gguf=a.gguf, force=a.force)
+    seconds = time.perf_counter() - start
     verb = "reused" if reused else f"built in {seconds:.1f}s"
     print(f"target: {path} ({verb})")
     if a.no_check:

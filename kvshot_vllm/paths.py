@@ -34,7 +34,3 @@ def resolve_data_dir(flag: str | os.PathLike | None = None) -> Path:
         raise KVShotError(f"data directory {path} is not writable ({exc.strerror or exc})") from None
     return path
 
-
-def vllm_cache_root() -> Path:
-    """vLLM writes model info and compile caches here instead of the user's home."""
-    return Path(os.environ.get("VLLM_CACHE_ROOT", REPO_ROOT / "build" / "vllm-cache"))

@@ -9,7 +9,6 @@ import hashlib
 import importlib.util
 import json
 import shutil
-import time
 from pathlib import Path
 
 from kvshot_vllm.errors import KVShotError
@@ -145,8 +144,3 @@ def check_in_vllm(model_dir: Path, data_dir: Path, question: str = CHECK_QUESTIO
     )
     return out[0].outputs[0].text.strip()
 
-
-def timed(fn, *args, **kwargs):
-    start = time.perf_counter()
-    result = fn(*args, **kwargs)
-    return result, time.perf_counter() - start
