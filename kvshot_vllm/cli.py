@@ -82,12 +82,12 @@ def cmd_data_prepare(a: argparse.Namespace) -> None:
 # ----------------------------------------------------------------------------- drafter
 
 
-def _target_arg(a: argparse.Namespace) -> tuple[Path, Path]:
+def _target_arg(a: argparse.Namespace, dtype: str = "bfloat16") -> tuple[Path, Path]:
     from kvshot_vllm.paths import resolve_data_dir
     from kvshot_vllm.target import target_dir
 
     data_dir = resolve_data_dir(a.data_dir)
-    target = Path(a.target) if a.target else target_dir(data_dir, "bfloat16")
+    target = Path(a.target) if a.target else target_dir(data_dir, dtype)
     if not (target / "config.json").is_file():
         raise KVShotError(f"no target model at {target}; run `kvshot target prepare` first")
     return data_dir, target
@@ -111,6 +111,95 @@ def cmd_drafter_oracle(a: argparse.Namespace) -> None:
     _, target = _target_arg(a)
     out = build_oracle(target, Path(a.out), sabotage_step=a.sabotage_step)
     print(f"oracle drafter: {out}")
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def _training_inputs(a: argparse.Namespace) -> tuple[Path, Path, Path]:
+    """(data dir, target, dataset): by default the float32 target (what vLLM runs on this CPU)
+    and the data it regenerated."""
+    data_dir, target = _target_arg(a, dtype="float32")
+    dataset = Path(a.dataset) if a.dataset else data_dir / "datasets" / f"sharegpt-{target.name}"
+    if not (dataset / "train.jsonl").is_file():
+        raise KVShotError(f"no data set at {dataset}; run `kvshot data prepare --target "
+                          f"{target}` first")
+    return data_dir, target, dataset
+
+
+def cmd_train(a: argparse.Namespace) -> None:
+    from kvshot_vllm.training.pipeline import train, train_config
+
+    data_dir, target, dataset = _training_inputs(a)
+    cfg = train_config(a.preset, steps=a.steps, batch_size=a.batch_size, lr=a.lr,
+                       draft_vocab_size=a.draft_vocab_size, checkpoint_every=a.checkpoint_every)
+    name = a.name or f"{a.paradigm}-{a.num_layers}L-{a.preset}"
+    run_dir = Path(a.out) if a.out else data_dir / "runs" / name
+    ckpt = train(data_dir, target, dataset, run_dir, cfg, init=Path(a.init) if a.init else None,
+                 paradigm=a.paradigm, num_layers=a.num_layers, kv_layers=a.kv_layers,
+                 kv_projection=a.kv_projection, gate_init=a.gate_init)
+    print(f"checkpoint: {ckpt}")
+    print(f"serve: vllm serve {target} --speculative-config "
+          f"'{{\"method\": \"eagle3\", \"model\": \"{ckpt}\", \"num_speculative_tokens\": 3}}'")
+
+
+def _named_checkpoints(specs: list[str]) -> dict[str, Path]:
+    """NAME=DIR or DIR (named after the run directory)."""
+    out = {}
+    for spec in specs:
+        name, _, path = spec.rpartition("=")
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise KVShotError(f"no drafter checkpoint at {path} (config.json missing)")
+        out[name or (path.parent.name if path.name == "checkpoint" else path.name)] = path
+    return out
+
+
+def cmd_diagnose(a: argparse.Namespace) -> None:
+    from kvshot_vllm.training.diagnostics import diagnose, write_report
+    from kvshot_vllm.training.pipeline import feature_spec, features_for
+
+    data_dir, target, dataset = _training_inputs(a)
+    ckpts = _named_checkpoints(a.checkpoints)
+    features = features_for(data_dir, target, dataset, "heldout", feature_spec(target))
+    results = diagnose(ckpts, target, features, steps=a.steps)
+    write_report(results, Path(a.out), "kvshot diagnose " + " ".join(sys.argv[2:]))
+
+
+def cmd_study(a: argparse.Namespace) -> None:
+    from kvshot_vllm.training.pipeline import run_study
+
+    data_dir, target, dataset = _training_inputs(a)
+    run_study(data_dir, target, dataset, a.preset, Path(a.out),
+              command="kvshot study " + " ".join(sys.argv[2:]), only=a.only)
+
+
+# ----------------------------------------------------------------------------- bench
+
+
+def cmd_bench(a: argparse.Namespace) -> None:
+    from kvshot_vllm.harness import QUICK, SweepArgs, load_configs, load_prompts, run_bench
+
+    data_dir, target, dataset = _training_inputs(a)
+    levels = a.levels or ([1, 2, 4, 8, 16, 32] if not a.quick else QUICK["levels"])
+    requests = a.requests or (8 if not a.quick else QUICK["requests"])
+    max_out = a.max_output_tokens or (128 if not a.quick else QUICK["max_output_tokens"])
+    args = SweepArgs(levels=levels, requests=requests, repeats=a.repeats or 1,
+                     max_model_len=a.max_model_len, port=a.port)
+    args.validate()
+    models = {}
+    for spec in a.model or []:
+        name, sep, path = spec.partition("=")
+        if not sep:
+            raise KVShotError(f"--model wants NAME=CHECKPOINT, got {spec!r}")
+        models[name] = path
+    configs = load_configs(a.configs, Path(a.configs_dir), a.k, models,
+                           Path(a.sweep) if a.sweep else None)
+    if a.port is not None and len(configs) > 1:
+        print("note: one --port for all configurations, used one after the other")
+    prompts = load_prompts(dataset, max_out)
+    run_bench(configs, target, data_dir, prompts, args, Path(a.out),
+              command="kvshot bench " + " ".join(sys.argv[2:]))
 
 
 # ----------------------------------------------------------------------------- parser
@@ -197,6 +286,92 @@ def build_parser() -> argparse.ArgumentParser:
                    help="spoil this draft position on every other proposal (a test hook)")
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_drafter_oracle)
+
+    def training_inputs(p: argparse.ArgumentParser) -> None:
+        _add_data_dir(p)
+        p.add_argument("--target", help="HF directory of the target (default: the prepared "
+                       "float32 one)")
+        p.add_argument("--dataset", help="data set directory (default: "
+                       "DATA_DIR/datasets/sharegpt-TARGET)")
+
+    p = sub.add_parser(
+        "train", help="train a drafter with test-time training (resumable)",
+        description="Extract the target's features (aux hidden states, cached K/V of the "
+        "sampled layers) for the training split if they are not cached, then train the drafter "
+        "with 7-step TTT. Checkpoints every N steps; a rerun of the same command continues a "
+        "killed run. Writes RUN_DIR/checkpoint (config.json + model.safetensors, served by "
+        "vLLM), metrics.jsonl and state.pt.")
+    training_inputs(p)
+    p.add_argument("--paradigm", required=True, choices=["hidden", "kv", "hybrid"])
+    p.add_argument("--preset", default="quick", help="quick (minutes, for tests and the demo) "
+                   "or full (the study's budget)")
+    p.add_argument("--num-layers", type=int, default=1)
+    p.add_argument("--kv-layers", type=int, nargs="+",
+                   help="target layers whose KV cache is read (default: 3 uniformly spaced)")
+    p.add_argument("--kv-projection", default="head_concat", choices=["head_concat"])
+    p.add_argument("--gate-init", type=float)
+    p.add_argument("--init", help="warm start: a kvshot, EAGLE-3 or speculators checkpoint; "
+                   "matching weights are copied, the rest (e.g. a hybrid's cross branch) fresh")
+    p.add_argument("--steps", type=int, help="optimizer steps (default: the preset's)")
+    p.add_argument("--batch-size", type=int, help="sequences per step (default: the preset's)")
+    p.add_argument("--lr", type=float)
+    p.add_argument("--draft-vocab-size", type=int)
+    p.add_argument("--checkpoint-every", type=int, help="steps between checkpoints (state.pt "
+                   "and the servable checkpoint; default: the preset's)")
+    p.add_argument("--name", help="run name (default: PARADIGM-NL-PRESET)")
+    p.add_argument("--out", help="run directory (default: DATA_DIR/runs/NAME)")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser(
+        "diagnose", help="step-wise acceptance a0..a6, MAT, retention, gate and gradient stats",
+        description="Chain-draft K steps from every response position of the held-out split "
+        "and report a_k = P(draft k accepted | 0..k-1 accepted), MAT and retention, with the "
+        "training run's gate and gradient statistics. Writes OUT.json, OUT.md and OUT.png.")
+    training_inputs(p)
+    p.add_argument("checkpoints", nargs="+", metavar="[NAME=]CHECKPOINT")
+    p.add_argument("--steps", type=int, default=7, help="draft chain length (default 7)")
+    p.add_argument("--out", default="results/diagnose", help="output path without suffix")
+    p.set_defaults(func=cmd_diagnose)
+
+    p = sub.add_parser(
+        "study", help="KVShot's comparison: train every paradigm on the same data, diagnose",
+        description="Train hidden-only, KV-only (1 and 2 layers), hybrid from scratch and hybrid "
+        "warm-started from the hidden-only drafter, with one preset, then diagnose them "
+        "together. Resumable: finished runs are reused.")
+    training_inputs(p)
+    p.add_argument("--preset", default="full")
+    p.add_argument("--only", nargs="+", help="a subset of the study's drafters")
+    p.add_argument("--out", default="results/kvshot_study", help="output path without suffix")
+    p.set_defaults(func=cmd_study)
+
+    p = sub.add_parser(
+        "bench", help="MAT, TTFT/TPOT/ITL and throughput under concurrency, side by side",
+        description="Start a real `vllm serve` per configuration on 127.0.0.1, send streaming "
+        "completion requests of held-out prompts at each concurrency level, and report MAT and "
+        "per-position acceptance (from the server's counters), TTFT/TPOT/ITL percentiles, "
+        "throughput and speedups against no speculation, with plots. Configurations: none, "
+        "ngram, eagle3 (serving_configs/hidden.json in stock vLLM, without the plugin), or any "
+        "serving_configs/NAME.json.")
+    training_inputs(p)
+    p.add_argument("--configs", nargs="+", default=["none", "ngram", "eagle3", "kv", "hybrid"])
+    p.add_argument("--configs-dir", default="serving_configs")
+    p.add_argument("--sweep", help="a JSON file of name -> speculative config")
+    p.add_argument("--model", action="append", metavar="NAME=CHECKPOINT",
+                   help="serve this drafter checkpoint for configuration NAME")
+    p.add_argument("--k", type=int, default=3, help="num_speculative_tokens for every config")
+    p.add_argument("--levels", type=int, nargs="+", help="concurrency levels "
+                   "(default 1 2 4 8 16 32; --quick: 1 4)")
+    p.add_argument("--requests", type=int, help="requests per level, at least 2 x the level "
+                   "(default 8; --quick: 4)")
+    p.add_argument("--repeats", type=int, help="runs of every level per server (default 1)")
+    p.add_argument("--max-output-tokens", type=int,
+                   help="cap on each response length (default 128; --quick: 32)")
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--port", type=int, help="serve on this port (default: a free one)")
+    p.add_argument("--quick", action="store_true", help="a few minutes: levels 1 and 4, "
+                   "4 requests, 32 tokens")
+    p.add_argument("--out", default="bench/results/throughput", help="output path without suffix")
+    p.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -59,3 +59,11 @@ def make_llm(model: str | Path, data_dir: Path | None = None, **overrides: Any):
     from vllm import LLM
 
     return LLM(model=str(model), **engine_kwargs(**overrides))
+
+
+def spec_decode_counters(llm) -> dict[str, Any]:
+    """vLLM's speculative-decoding counters of an offline engine (drafts, draft tokens,
+    accepted tokens, accepted per position) and its preemptions, without the "vllm:" prefix."""
+    return {m.name.removeprefix("vllm:spec_decode_"): getattr(m, "values", None)
+            or getattr(m, "value", 0) for m in llm.get_metrics()
+            if m.name.startswith(("vllm:spec_decode", "vllm:num_preemptions"))}

@@ -62,16 +62,14 @@ def generate(target: Path, data_dir: Path, prompts: list[list[int]], spec: dict 
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from kvshot_vllm.engine import make_llm
+    from kvshot_vllm.engine import make_llm, spec_decode_counters
 
     llm = make_llm(target, data_dir, speculative_config=spec, **{**ENGINE, **engine})
     try:
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
                             SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
                             use_tqdm=False)
-        counters = {m.name.removeprefix("vllm:spec_decode_"): getattr(m, "values", None)
-                    or getattr(m, "value", 0) for m in llm.get_metrics()
-                    if m.name.startswith(("vllm:spec_decode", "vllm:num_preemptions"))}
+        counters = spec_decode_counters(llm)
         blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
         counters["shared_caches"] = llm.collective_rpc(_shared_caches)[0]
     finally:

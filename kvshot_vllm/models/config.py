@@ -159,6 +159,16 @@ class DrafterConfig(BaseModel):
         }
 
 
+def check_fits_target(cfg: DrafterConfig, target: TargetSpec) -> None:
+    """Refuse a drafter made for another target, naming every field that differs."""
+    problems = cfg.target.mismatches(target)
+    problems += [f"sampled layer {i} out of range for a target with {target.num_layers} layers"
+                 for i in cfg.kv_layers + cfg.aux_layers if not 0 <= i < target.num_layers]
+    if problems:
+        raise KVShotError(f"kvshot drafter (trained for {cfg.target.name}) does not fit "
+                          f"{target.name}: " + "; ".join(problems))
+
+
 def default_layers(num_target_layers: int, count: int) -> list[int]:
     """`count` uniformly spaced layers, first and last included."""
     if count == 1:

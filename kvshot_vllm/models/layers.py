@@ -34,3 +34,53 @@ class GatedDelta(nn.Module):
 
     def forward(self, o_self: torch.Tensor, o_cross: torch.Tensor) -> torch.Tensor:
         return o_self + self.gate * self.delta_proj(o_cross - o_self)
+
+
+class RMSNorm(nn.Module):
+    """vLLM's RMSNorm: statistics in fp32, weight applied after casting back."""
+
+    def __init__(self, hidden: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.to(x.dtype) * self.weight
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Neox-style RoPE (Llama, Qwen3; what vLLM applies before caching keys).
+    x: [B, T, heads, d]; cos, sin: [B, T, d]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos.unsqueeze(2) + rotated * sin.unsqueeze(2)
+
+
+def draft_attention(q: torch.Tensor, ctx: tuple[torch.Tensor, torch.Tensor],
+                    diag: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Attention of one draft step, for every row of a sequence at once.
+
+    Row p attends the context keys of rows 0..p (`ctx`: the target's cached K/V, or the
+    drafter's own step-0 keys) and, from `diag`, only its own row's keys of this draft chain (the
+    K/V it produced at earlier draft steps). That is exactly what a draft row at step j sees in
+    vLLM: the verified prefix, then the tokens drafted after it.
+
+    q: [B, T, H, d]; ctx k, v: [B, KVH, T, d]; diag: list of (k, v) each [B, T, KVH, d].
+    Returns [B, T, H * d].
+    """
+    b, t, h, d = q.shape
+    ctx_k, ctx_v = ctx
+    kvh = ctx_k.shape[1]
+    qg = q.view(b, t, kvh, h // kvh, d).permute(0, 2, 3, 1, 4)  # [B, KVH, G, T, d]
+    scale = d**-0.5
+    scores = torch.einsum("bkgtd,bksd->bkgts", qg, ctx_k) * scale  # [B, KVH, G, T, T]
+    future = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
+    scores = scores.masked_fill(future, float("-inf"))
+    own = [torch.einsum("bkgtd,btkd->bkgt", qg, k).unsqueeze(-1) * scale for k, _ in diag]
+    probs = torch.softmax(torch.cat([scores, *own], dim=-1).float(), dim=-1).to(q.dtype)
+    out = torch.einsum("bkgts,bksd->bkgtd", probs[..., :t], ctx_v)
+    for i, (_, v) in enumerate(diag):
+        out = out + probs[..., t + i, None] * v.permute(0, 2, 1, 3).unsqueeze(2)
+    return out.permute(0, 3, 1, 2, 4).reshape(b, t, h * d)

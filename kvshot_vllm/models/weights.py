@@ -117,17 +117,27 @@ def target_spec(target_dir: Path) -> TargetSpec:
     return TargetSpec.from_hf_config(AutoConfig.from_pretrained(target_dir), Path(target_dir).name)
 
 
-def target_lm_head(target_dir: Path) -> torch.Tensor:
-    """The target's output embedding (tied to the input embedding in SmolLM2)."""
+def _target_tensor(target_dir: Path, names: tuple[str, ...]) -> torch.Tensor:
+    """The first of `names` found in the target's safetensors files."""
     from safetensors import safe_open
 
     files = sorted(Path(target_dir).glob("*.safetensors"))
-    for name in ("lm_head.weight", "model.embed_tokens.weight"):
+    for name in names:
         for f in files:
             with safe_open(f, "pt") as st:
                 if name in st.keys():
                     return st.get_tensor(name)
-    raise KVShotError(f"no lm_head or embed_tokens weight in {target_dir}")
+    raise KVShotError(f"none of {', '.join(names)} in the safetensors of {target_dir}")
+
+
+def target_lm_head(target_dir: Path) -> torch.Tensor:
+    """The target's output embedding (tied to the input embedding in SmolLM2)."""
+    return _target_tensor(target_dir, ("lm_head.weight", "model.embed_tokens.weight"))
+
+
+def target_embedding(target_dir: Path) -> torch.Tensor:
+    """The target's input embedding, which vLLM's EAGLE-3 drafters share."""
+    return _target_tensor(target_dir, ("model.embed_tokens.weight",))
 
 
 def init_checkpoint(target_dir: Path, out_dir: Path, seed: int = 0, **options) -> Path:

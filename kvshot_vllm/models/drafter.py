@@ -1,0 +1,203 @@
+"""Training-side drafters: the PyTorch twin of the vLLM drafters in `kvshot_vllm.serving`.
+
+Same config, same weight names (`weights.py`), same math, written for a whole draft chain over
+every position of a sequence at once (test-time training, TTT): at draft step j, row p carries
+token p + 1 + j at vLLM position p + j and predicts token p + 2 + j. What a row may attend is
+what the vLLM drafter of that row would see (`layers.draft_attention`): the verified prefix
+(target K/V of positions <= p, or the drafter's own step-0 keys of rows <= p) plus the keys this
+row produced earlier in its own chain.
+
+One module per paradigm (`eagle3.py`, `kv_only.py`, `hybrid.py`) subclasses `Drafter` and
+implements `step`; `build_drafter` picks it from the config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from kvshot_vllm.errors import KVShotError
+from kvshot_vllm.models.config import (DrafterConfig, TargetSpec, check_fits_target,
+                                       load_drafter_config)
+from kvshot_vllm.models.layers import RMSNorm, draft_attention, rotate
+from kvshot_vllm.models.weights import check_drafter_weights, target_spec
+
+
+@dataclass
+class ChainKV:
+    """The K/V one attention module has produced in the current draft chain."""
+
+    ctx: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # self-attention: step-0 keys
+    diag: list[list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)
+
+
+@dataclass
+class TargetFeatures:
+    """What the target computed for a batch of sequences (see `training.features`)."""
+
+    input_ids: torch.Tensor  # [B, T] long
+    aux_hidden: torch.Tensor | None  # [B, T, len(aux_layers) * hidden]
+    target_kv: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> (K, V) [B, KVH, T, d]
+
+
+class Rope(nn.Module):
+    """The target's rotary embedding (scaling included), from its HF config."""
+
+    def __init__(self, target_hf_config) -> None:
+        super().__init__()
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        self.inner = LlamaRotaryEmbedding(config=target_hf_config)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, T] -> cos, sin [B, T, head_dim] in fp32."""
+        probe = torch.empty(0, dtype=torch.float32, device=positions.device)
+        return self.inner(probe, positions)
+
+
+class DraftAttention(nn.Module):
+    """q/k/v/o projections over `groups` side-by-side attentions (checkpoint names q_proj, ...).
+
+    groups = 1: an EAGLE-3 self-attention, whose step-0 keys are the context of later steps.
+    groups = S: KVShot's head_concat cross-attention, group s attending the cached K/V of the
+    s-th sampled target layer; the drafter's own keys of every step join as the chain's tail.
+    """
+
+    def __init__(self, in_size: int, target: TargetSpec, groups: int = 1) -> None:
+        super().__init__()
+        self.groups, self.heads, self.kv_heads, self.head_dim = (
+            groups, target.num_attention_heads, target.num_kv_heads, target.head_dim)
+        q_size = groups * self.heads * self.head_dim
+        kv_size = groups * self.kv_heads * self.head_dim
+        self.q_proj = nn.Linear(in_size, q_size, bias=False)
+        self.k_proj = nn.Linear(in_size, kv_size, bias=False)
+        self.v_proj = nn.Linear(in_size, kv_size, bias=False)
+        self.o_proj = nn.Linear(q_size, target.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], chain: ChainKV,
+                ctx: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
+        """x [B, T, in] -> [B, T, hidden]. `ctx`: target K/V per group (cross-attention), or None
+        for self-attention."""
+        b, t, _ = x.shape
+        cos, sin = rope
+        q = rotate(self.q_proj(x).view(b, t, self.groups * self.heads, self.head_dim), cos, sin)
+        k = rotate(self.k_proj(x).view(b, t, self.groups * self.kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(x).view(b, t, self.groups * self.kv_heads, self.head_dim)
+        qs, ks, vs = (z.chunk(self.groups, dim=2) for z in (q, k, v))
+        own = list(zip(ks, vs))
+        if ctx is None and chain.ctx is None:
+            chain.ctx = [(k_.transpose(1, 2), v_.transpose(1, 2)) for k_, v_ in own]
+        else:
+            chain.diag.append(own)
+        ctx = ctx if ctx is not None else chain.ctx
+        outs = [draft_attention(qs[g], ctx[g], [step[g] for step in chain.diag])
+                for g in range(self.groups)]
+        return self.o_proj(torch.cat(outs, dim=-1))
+
+
+class Drafter(nn.Module):
+    """Shared parts: the target's (frozen) embedding and RoPE, final norm, lm_head over the draft
+    vocabulary, d2t. Subclasses define `step`."""
+
+    def __init__(self, cfg: DrafterConfig, target_hf_config, embed: torch.Tensor) -> None:
+        super().__init__()
+        t = cfg.target
+        self.cfg = cfg
+        self.register_buffer("embed", embed.detach().float(), persistent=False)
+        self.rope = Rope(target_hf_config)
+        self.norm = RMSNorm(t.hidden_size, t.rms_norm_eps)
+        self.lm_head = nn.Linear(t.hidden_size, cfg.draft_vocab_size, bias=False)
+        # draft id i -> target id i + d2t[i] (EAGLE-3's convention, read by vLLM)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+
+    # ------------------------------------------------------------------ per paradigm
+
+    def new_chains(self) -> dict[str, ChainKV]:
+        return {name: ChainKV() for name, m in self.named_modules()
+                if isinstance(m, DraftAttention)}
+
+    def first_hidden(self, feats: TargetFeatures) -> torch.Tensor | None:
+        """The hidden input of draft step 0 (EAGLE-3: fc of the fused aux hidden states)."""
+        return None
+
+    def step(self, embeds: torch.Tensor, hidden: torch.Tensor | None, positions: torch.Tensor,
+             feats: TargetFeatures, chains: dict[str, ChainKV]
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft step for all rows: (normed output for lm_head, hidden for the next step)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ shared
+
+    def chain(self, feats: TargetFeatures, steps: int) -> list[torch.Tensor]:
+        """Normed outputs [B, T, hidden] of `steps` draft steps; at step j row p drafts token
+        p + 2 + j, given tokens up to p + 1 + j (rows past the end carry padding)."""
+        ids = feats.input_ids
+        b, t = ids.shape
+        hidden = self.first_hidden(feats)
+        chains = self.new_chains()
+        outs = []
+        for j in range(steps):
+            tokens = torch.zeros_like(ids)
+            tokens[:, : max(t - 1 - j, 0)] = ids[:, 1 + j:]
+            positions = torch.arange(j, t + j, device=ids.device).expand(b, t)
+            normed, hidden = self.step(self.embed[tokens], hidden, positions, feats, chains)
+            outs.append(normed)
+        return outs
+
+    def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def checkpoint_weights(self) -> dict[str, torch.Tensor]:
+        """Tensors under the checkpoint names of `weights.expected_shapes`."""
+        weights = {n: p.detach() for n, p in self.named_parameters() if not n.startswith("rope.")}
+        if self.cfg.draft_vocab_size != self.cfg.target.vocab_size:
+            weights["d2t"] = self.d2t
+        return weights
+
+    def load_checkpoint_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        check_drafter_weights(self.cfg, weights)
+        weights = dict(weights)
+        if "d2t" in weights:
+            self.d2t.copy_(weights.pop("d2t"))
+        own = {n for n, _ in self.named_parameters()}
+        unexpected = sorted(set(weights) - own)
+        if unexpected:
+            raise KVShotError(f"drafter checkpoint has unexpected weights {unexpected[:3]} for "
+                              f"paradigm {self.cfg.paradigm}")
+        self.load_state_dict(weights, strict=False)
+
+
+def build_drafter(cfg: DrafterConfig, target_dir: Path) -> Drafter:
+    """The training-side drafter of `cfg.paradigm` for the target in `target_dir`."""
+    from transformers import AutoConfig
+
+    from kvshot_vllm.models.eagle3 import HiddenDrafter
+    from kvshot_vllm.models.hybrid import HybridDrafter
+    from kvshot_vllm.models.kv_only import KVOnlyDrafter
+    from kvshot_vllm.models.weights import target_embedding
+
+    check_fits_target(cfg, target_spec(target_dir))
+    if cfg.kv_projection != "head_concat":
+        raise KVShotError("kv_projection 'linear' is not implemented by the training-side "
+                          "drafters yet; use head_concat")
+    kinds: dict[str, type[Drafter]] = {"hidden": HiddenDrafter, "kv": KVOnlyDrafter,
+                                       "hybrid": HybridDrafter}
+    return kinds[cfg.paradigm](cfg, AutoConfig.from_pretrained(target_dir),
+                               target_embedding(target_dir))
+
+
+
+def load_drafter(checkpoint: Path, target_dir: Path) -> Drafter:
+    """A trained checkpoint (config.json + model.safetensors) as a training-side drafter."""
+    from safetensors.torch import load_file
+
+    cfg = load_drafter_config(checkpoint)
+    weights_file = Path(checkpoint) / "model.safetensors"
+    if not weights_file.is_file():
+        raise KVShotError(f"no model.safetensors in {checkpoint}")
+    drafter = build_drafter(cfg, target_dir)
+    drafter.load_checkpoint_weights(load_file(weights_file))
+    return drafter

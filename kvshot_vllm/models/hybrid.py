@@ -1,0 +1,27 @@
+"""Hybrid drafter (KVShot): EAGLE-3, whose first attention gets a cross-attention over the
+target's cached K/V merged by the gated delta rule (`layers.GatedDelta`). Warm-starts from a
+hidden-only checkpoint: the EAGLE-3 weights are kept, the cross branch and gate are fresh."""
+
+from __future__ import annotations
+
+import torch
+
+from kvshot_vllm.models.config import DrafterConfig
+from kvshot_vllm.models.drafter import DraftAttention
+from kvshot_vllm.models.eagle3 import HiddenDrafter
+from kvshot_vllm.models.kv_only import cross_attend
+from kvshot_vllm.models.layers import GatedDelta
+
+
+class HybridDrafter(HiddenDrafter):
+    def __init__(self, cfg: DrafterConfig, target_hf_config, embed: torch.Tensor) -> None:
+        super().__init__(cfg, target_hf_config, embed)
+        h = cfg.target.hidden_size
+        self.cross = DraftAttention(2 * h, cfg.target, groups=len(cfg.kv_layers))
+        self.merge = GatedDelta(h, cfg.gate_init)
+
+    def first_attention(self, x, rope, positions, feats, chains):
+        o_self = super().first_attention(x, rope, positions, feats, chains)
+        o_cross = cross_attend(self.cross, x, positions, self.rope, feats, self.cfg.kv_layers,
+                               chains["cross"])
+        return self.merge(o_self, o_cross)

@@ -1,0 +1,43 @@
+"""KV-only drafter: Llama blocks whose attention is a cross-attention over the target's cached
+K/V of the sampled layers (plus the drafter's own K/V for the tokens of its chain). No target
+hidden state: a row sees its token's embedding and the target's cache, nothing else."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from kvshot_vllm.models.config import DrafterConfig, TargetSpec
+from kvshot_vllm.models.drafter import ChainKV, DraftAttention, Drafter, TargetFeatures
+from kvshot_vllm.models.layers import RMSNorm, SwiGLU
+
+
+def cross_attend(cross: DraftAttention, x: torch.Tensor, positions: torch.Tensor, rope_fn,
+                 feats: TargetFeatures, layers: list[int], chain: ChainKV) -> torch.Tensor:
+    """A row at vLLM position p carries the token at p + 1: its query and own key sit there."""
+    return cross(x, rope_fn(positions + 1), chain, ctx=[feats.target_kv[i] for i in layers])
+
+
+class KVLayer(nn.Module):
+    def __init__(self, target: TargetSpec, num_reads: int) -> None:
+        super().__init__()
+        h, eps = target.hidden_size, target.rms_norm_eps
+        self.input_norm = RMSNorm(h, eps)
+        self.cross = DraftAttention(h, target, groups=num_reads)
+        self.post_norm = RMSNorm(h, eps)
+        self.mlp = SwiGLU(h, target.intermediate_size)
+
+
+class KVOnlyDrafter(Drafter):
+    def __init__(self, cfg: DrafterConfig, target_hf_config, embed: torch.Tensor) -> None:
+        super().__init__(cfg, target_hf_config, embed)
+        self.reads = cfg.layer_reads()
+        self.kv_layers = nn.ModuleList(KVLayer(cfg.target, len(r)) for r in self.reads)
+
+    def step(self, embeds, hidden, positions, feats, chains):
+        x = embeds
+        for i, (layer, reads) in enumerate(zip(self.kv_layers, self.reads)):
+            x = x + cross_attend(layer.cross, layer.input_norm(x), positions, self.rope, feats,
+                                 reads, chains[f"kv_layers.{i}.cross"])
+            x = x + layer.mlp(layer.post_norm(x))
+        return self.norm(x), x

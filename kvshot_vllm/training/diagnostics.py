@@ -1,0 +1,194 @@
+"""KVShot's step-wise diagnostics of trained drafters on the held-out split.
+
+Greedy chain drafting of K steps (default 7) from every response position:
+    a_k        P(draft k accepted | drafts 0..k-1 accepted): the draft equals the target's
+               greedy token. Counted only where the data's next tokens are the target's greedy
+               tokens, so the drafter's inputs are exactly what vLLM would feed it.
+    MAT        1 + sum_k prod_{i<=k} a_i: expected tokens per target forward with a chain of K
+               (the accepted drafts plus the target's own token), i.e. vLLM's
+               accepted / drafts + 1 for k = K.
+    retention  a_{K-1} / a_0.
+From the training run beside a checkpoint (run.json, metrics.jsonl): training time, the hybrid's
+gate over training, and gradient RMS of the query against the K/V projections.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from kvshot_vllm.models.drafter import Drafter, load_drafter
+from kvshot_vllm.training.features import FeatureSet
+from kvshot_vllm.training.ttt import chain_predictions, shifted
+
+
+@torch.no_grad()
+def stepwise_acceptance(drafter: Drafter, features: FeatureSet, steps: int = 7,
+                        batch_size: int = 4, progress: bool = True) -> dict:
+    from tqdm import tqdm
+
+    cfg = drafter.cfg
+    features.check_layers(cfg.aux_layers, cfg.kv_layers, cfg.uses_aux_hidden)
+    alive = torch.zeros(steps, dtype=torch.long)
+    accepted = torch.zeros(steps, dtype=torch.long)
+    order = sorted(range(len(features)), key=features.length)  # similar lengths pad less
+    for start in tqdm(range(0, len(order), batch_size), desc=f"diagnose {cfg.paradigm}",
+                      disable=not progress):
+        feats, labels, trainable = features.batch(order[start:start + batch_size],
+                                                  cfg.kv_layers, cfg.uses_aux_hidden)
+        ids = feats.input_ids
+        chain_ok = torch.ones_like(trainable)
+        for j, (_, _, hit, mask) in enumerate(
+                chain_predictions(drafter, feats, labels, trainable, steps)):
+            if j > 0:  # draft j-1 accepted = the target's greedy token is the next input
+                chain_ok &= shifted(ids, 1 + j) == shifted(labels, j)
+            counted = mask & chain_ok
+            alive[j] += int(counted.sum())
+            accepted[j] += int((counted & hit).sum())
+            chain_ok &= hit
+    return summarize(accepted.tolist(), alive.tolist())
+
+
+def summarize(accepted: list[int], alive: list[int]) -> dict:
+    a = [acc / n if n else 0.0 for acc, n in zip(accepted, alive)]
+    mat = 1 + sum(math.prod(a[: k + 1]) for k in range(len(a)))
+    return {"a": a, "mat": mat, "retention": a[-1] / a[0] if a[0] else 0.0,
+            "accepted": accepted, "alive": alive}
+
+
+def training_stats(checkpoint: Path) -> dict | None:
+    """Training time, gate and gradient statistics of the run that wrote `checkpoint`."""
+    run_dir = Path(checkpoint).parent
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        return None
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    if not rows:
+        return None
+    grads = {k: sum(r["grad_rms"].get(k, 0.0) for r in rows) / len(rows)
+             for k in rows[-1]["grad_rms"]}
+    stats = {"steps": rows[-1]["step"], "final_loss": rows[-1]["loss"],
+             "train_s": rows[-1]["s_per_step"] * rows[-1]["step"], "grad_rms": grads,
+             "gate": [{"step": r["step"], **r["gate"]} for r in rows if r.get("gate")] or None}
+    for kind in ("cross", "self"):
+        if f"{kind}.q" in grads and grads[f"{kind}.q"] > 0:
+            stats[f"{kind}_kv_over_q"] = grads[f"{kind}.kv"] / grads[f"{kind}.q"]
+    return stats
+
+
+def diagnose(checkpoints: dict[str, Path], target_dir: Path, features: FeatureSet,
+             steps: int = 7, progress: bool = True) -> dict:
+    results = {}
+    for name, ckpt in checkpoints.items():
+        drafter = load_drafter(ckpt, target_dir).eval()
+        results[name] = {"checkpoint": str(ckpt), "paradigm": drafter.cfg.paradigm,
+                         "num_layers": drafter.cfg.num_layers,
+                         **stepwise_acceptance(drafter, features, steps, progress=progress),
+                         "training": training_stats(ckpt)}
+    return results
+
+
+def report_lines(results: dict, command: str) -> list[str]:
+    steps = len(next(iter(results.values()))["a"])
+    head = "| drafter | " + " | ".join(f"a{k}" for k in range(steps)) + \
+        " | MAT | retention | train steps | train time | kv/q grad RMS |"
+    lines = [f"Command: `{command}`", "",
+             "a_k: P(draft k accepted | drafts 0..k-1 accepted), greedy, held-out split. "
+             "MAT = 1 + sum_k prod_{i<=k} a_i (tokens per target forward, the bonus token "
+             f"included; vLLM's accepted/drafts + 1 at k = {steps}). retention = "
+             f"a{steps - 1}/a0.", "", head,
+             "|" + "---|" * (steps + 6)]
+    for name, r in results.items():
+        t = r["training"] or {}
+        ratio = t.get("cross_kv_over_q", t.get("self_kv_over_q"))
+        lines.append(
+            f"| {name} | " + " | ".join(f"{a:.3f}" for a in r["a"]) +
+            f" | {r['mat']:.3f} | {r['retention']:.1%} | {t.get('steps', '-')} | "
+            + (f"{t['train_s'] / 60:.1f} min" if t else "-") + " | "
+            + (f"{ratio:.3f}" if ratio is not None else "-") + " |")
+    gates = {n: r["training"]["gate"] for n, r in results.items()
+             if r["training"] and r["training"]["gate"]}
+    if gates:
+        lines += ["", "Hybrid gate over training (mean, |mean|, p10 / p50 / p90 over channels):",
+                  "", "| drafter | step | mean | abs mean | p10 | p50 | p90 |",
+                  "|---|---|---|---|---|---|---|"]
+        for name, rows in gates.items():
+            for g in rows:
+                lines.append(f"| {name} | {g['step']} | {g['mean']:.4f} | {g['abs_mean']:.4f} "
+                             f"| {g['p10']:.4f} | {g['p50']:.4f} | {g['p90']:.4f} |")
+    grads = {n: r["training"]["grad_rms"] for n, r in results.items() if r["training"]}
+    if grads:
+        lines += ["", "Gradient RMS per element, averaged over training (self: EAGLE-3 "
+                  "self-attention; cross: attention over target KV; kv: draft-side K/V "
+                  "projections):", "", "| drafter | self.q | self.kv | cross.q | cross.kv |",
+                  "|---|---|---|---|---|"]
+        for name, g in grads.items():
+            lines.append(f"| {name} | " + " | ".join(
+                f"{g[k]:.2e}" if k in g else "-"
+                for k in ("self.q", "self.kv", "cross.q", "cross.kv")) + " |")
+    return lines
+
+
+def plot(results: dict, out_png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, r in results.items():
+        ax.plot(range(len(r["a"])), r["a"], marker="o", label=f"{name} (MAT {r['mat']:.2f})")
+    ax.set_xlabel("draft step k")
+    ax.set_ylabel("a_k = P(accept k | 0..k-1 accepted)")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=120)
+    plt.close(fig)
+
+
+def write_report(results: dict, out: Path, command: str) -> None:
+    """OUT.json, OUT.md (the tables) and OUT.png (a_k against k, all drafters)."""
+    from kvshot_vllm.results import write_results
+
+    out = Path(out)
+    write_results(out, {"command": command, "drafters": results}, report_lines(results, command)
+                  + ["", f"![a_k against k]({out.with_suffix('.png').name})"])
+    plot(results, out.with_suffix(".png"))
+    print(f"report: {out.with_suffix('.md')} ({out.with_suffix('.json').name}, "
+          f"{out.with_suffix('.png').name})")
+
+
+@torch.no_grad()
+def simulated_vllm_counters(drafter: Drafter, features: FeatureSet, k: int,
+                            batch_size: int = 4) -> dict:
+    """vLLM's spec-decode counters as the offline drafter predicts them for greedy generation
+    of each held-out response: proposals start at the last prompt position, and after n
+    accepted drafts the next one starts n + 1 tokens later, as in vLLM."""
+    cfg = drafter.cfg
+    drafts, accepted = 0, [0] * k
+    order = sorted(range(len(features)), key=features.length)
+    for start in range(0, len(order), batch_size):
+        idx = order[start:start + batch_size]
+        feats, labels, trainable = features.batch(idx, cfg.kv_layers, cfg.uses_aux_hidden)
+        # every position may anchor a proposal here, not only response ones
+        known = torch.zeros_like(trainable)
+        for r, i in enumerate(idx):
+            known[r, : features.length(i)] = True
+        hits = [hit for _, _, hit, _ in chain_predictions(drafter, feats, labels, known, k)]
+        for r, i in enumerate(idx):
+            prompt_len, length = features.item(i)["prompt_len"], features.length(i)
+            p = prompt_len - 1
+            while p - prompt_len + 2 < length - prompt_len:  # tokens generated < response
+                drafts += 1
+                n = 0
+                while n < k and bool(hits[n][r, p]):
+                    n += 1
+                for j in range(n):
+                    accepted[j] += 1
+                p += n + 1
+    return {"num_drafts": drafts, "accepted_per_pos": accepted}

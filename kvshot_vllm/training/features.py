@@ -1,0 +1,210 @@
+"""Target features for training and diagnostics, computed once with transformers and cached.
+
+For every sequence (prompt + regenerated response) of a data split the target's forward pass
+gives:
+    labels      [T]              the target's greedy next token at each position
+    aux         [T, A * hidden]  the input of each aux layer (what vLLM hands EAGLE-3)
+    k.L, v.L    [T, KVH, d]      K (after RoPE) and V that the target caches for layer L: the
+                                 exact contents of vLLM's paged cache that a drafter reads
+Shards of `shard_size` sequences are safetensors files written beside and renamed into place, so
+a killed extraction resumes at the first missing shard. `manifest.json` records the target,
+the layers, the dtype and the measured throughput of extraction and of loading back.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvshot_vllm.data import read_records
+from kvshot_vllm.errors import KVShotError
+from kvshot_vllm.models.drafter import TargetFeatures
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    aux_layers: tuple[int, ...]
+    kv_layers: tuple[int, ...]
+    max_len: int = 1024
+    dtype: str = "bfloat16"
+    shard_size: int = 16
+
+    def dir_name(self, split: str) -> str:
+        aux = "-".join(map(str, self.aux_layers))
+        kv = "-".join(map(str, self.kv_layers))
+        return f"{split}-aux{aux}-kv{kv}-len{self.max_len}-{self.dtype}"
+
+
+def sequences(dataset_dir: Path, split: str, max_len: int) -> list[tuple[str, list[int], int]]:
+    """(id, token ids, prompt length) per record of the split, cut to `max_len` tokens."""
+    path = Path(dataset_dir) / f"{split}.jsonl"
+    records = read_records(path)
+    if not records:
+        raise KVShotError(f"no {split} records in {path}; run `kvshot data prepare` first")
+    out = []
+    for r in records:
+        ids = (r["prompt_token_ids"] + r["response_token_ids"])[:max_len]
+        if len(ids) >= len(r["prompt_token_ids"]) + 2:  # at least two response tokens
+            out.append((r["id"], ids, len(r["prompt_token_ids"])))
+    return out
+
+
+@torch.inference_mode()
+def target_forward(model, ids: list[int], spec: FeatureSpec) -> dict[str, torch.Tensor]:
+    """One sequence's features (see the module docstring), in `spec.dtype`."""
+    dtype = DTYPES[spec.dtype]
+    out = model(torch.tensor([ids]), output_hidden_states=True, use_cache=True)
+    # hidden_states[L] is the input of layer L, which is what vLLM collects as aux layer L.
+    feats = {"labels": out.logits[0].argmax(-1).to(torch.int32),
+             "aux": torch.cat([out.hidden_states[i][0] for i in spec.aux_layers], -1).to(dtype)}
+    cache = out.past_key_values
+    for layer in spec.kv_layers:
+        k, v = cache.layers[layer].keys, cache.layers[layer].values  # [1, KVH, T, d]
+        feats[f"k.{layer}"] = k[0].transpose(0, 1).to(dtype).contiguous()
+        feats[f"v.{layer}"] = v[0].transpose(0, 1).to(dtype).contiguous()
+    return feats
+
+
+def extract_features(target_dir: Path, dataset_dir: Path, split: str, out_root: Path,
+                     spec: FeatureSpec) -> Path:
+    """Features of every sequence of `split`, under `out_root/spec.dir_name(split)`."""
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM
+
+    out = Path(out_root) / spec.dir_name(split)
+    out.mkdir(parents=True, exist_ok=True)
+    seqs = sequences(dataset_dir, split, spec.max_len)
+    params = {"target": str(Path(target_dir).resolve()), "dataset": str(Path(dataset_dir).resolve()),
+              "split": split, "ids": [s[0] for s in seqs], **spec.__dict__,
+              "aux_layers": list(spec.aux_layers), "kv_layers": list(spec.kv_layers)}
+    params_path = out / "params.json"
+    if params_path.exists() and json.loads(params_path.read_text()) != params:
+        raise KVShotError(f"{out} holds features made from other data or settings; delete it "
+                          f"to rebuild")
+    params_path.write_text(json.dumps(params))
+
+    shards = [seqs[i:i + spec.shard_size] for i in range(0, len(seqs), spec.shard_size)]
+    todo = [i for i in range(len(shards)) if not (out / f"shard-{i:05d}.safetensors").exists()]
+    model = None
+    tokens, start = 0, time.perf_counter()
+    with tqdm(total=sum(len(shards[i]) for i in todo), desc=f"features {split}",
+              unit="seq") as bar:
+        for i in todo:
+            if model is None:
+                model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+                model.eval()
+            parts = [target_forward(model, ids, spec) for _, ids, _ in shards[i]]
+            tensors = {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
+            lengths = torch.tensor([len(ids) for _, ids, _ in shards[i]])
+            tensors["input_ids"] = torch.tensor([t for _, ids, _ in shards[i] for t in ids],
+                                                dtype=torch.int32)
+            tensors["offsets"] = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+            tensors["prompt_len"] = torch.tensor([p for _, _, p in shards[i]], dtype=torch.int32)
+            tmp = out / f"shard-{i:05d}.partial"
+            save_file(tensors, tmp)
+            tmp.rename(out / f"shard-{i:05d}.safetensors")
+            tokens += int(lengths.sum())
+            bar.update(len(shards[i]))
+            bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.0f}")
+    extract_s = time.perf_counter() - start
+
+    load_start = time.perf_counter()
+    feature_set = FeatureSet(out)
+    load_s = time.perf_counter() - load_start
+    manifest = {"sequences": len(feature_set), "tokens": feature_set.num_tokens,
+                "shards": len(shards), "bytes": sum(f.stat().st_size for f in out.glob("shard-*")),
+                "last_run": {"extracted_tokens": tokens, "extract_s": round(extract_s, 2),
+                             "extract_tok_s": round(tokens / extract_s, 1) if tokens else None,
+                             "load_s": round(load_s, 3),
+                             "load_tok_s": round(feature_set.num_tokens / load_s, 1)}}
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    return out
+
+
+class FeatureSet:
+    """The cached features of one split, loaded into memory, indexed by sequence."""
+
+    def __init__(self, path: Path) -> None:
+        from safetensors.torch import load_file
+
+        self.path = Path(path)
+        params_path = self.path / "params.json"
+        if not params_path.is_file():
+            raise KVShotError(f"no features at {self.path}; run `kvshot features` first")
+        self.params = json.loads(params_path.read_text())
+        files = sorted(self.path.glob("shard-*.safetensors"))
+        expected = -(-len(self.params["ids"]) // self.params["shard_size"])
+        if len(files) != expected:
+            raise KVShotError(f"{self.path} has {len(files)} of {expected} shards; rerun the "
+                              f"extraction to finish it")
+        self.shards = [load_file(f) for f in files]
+        self.index = [(s, j) for s, shard in enumerate(self.shards)
+                      for j in range(len(shard["prompt_len"]))]
+        self.kv_layers = list(self.params["kv_layers"])
+        self.aux_layers = list(self.params["aux_layers"])
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(int(s["offsets"][-1]) for s in self.shards)
+
+    def length(self, i: int) -> int:
+        s, j = self.index[i]
+        off = self.shards[s]["offsets"]
+        return int(off[j + 1] - off[j])
+
+    def check_layers(self, aux_layers: list[int], kv_layers: list[int], uses_aux: bool) -> None:
+        missing = sorted(set(kv_layers) - set(self.kv_layers))
+        if missing:
+            raise KVShotError(f"features at {self.path} hold K/V of layers {self.kv_layers}, "
+                              f"not {missing}; extract them with --kv-layers")
+        if uses_aux and list(aux_layers) != self.aux_layers:
+            raise KVShotError(f"features at {self.path} fuse aux layers {self.aux_layers}, the "
+                              f"drafter wants {list(aux_layers)}")
+
+    def item(self, i: int) -> dict[str, torch.Tensor | int]:
+        s, j = self.index[i]
+        shard = self.shards[s]
+        a, b = int(shard["offsets"][j]), int(shard["offsets"][j + 1])
+        item: dict[str, torch.Tensor | int] = {
+            name: t[a:b] for name, t in shard.items()
+            if name not in ("offsets", "prompt_len")}
+        item["prompt_len"] = int(shard["prompt_len"][j])
+        return item
+
+    def batch(self, indices: list[int], kv_layers: list[int], uses_aux: bool
+              ) -> tuple[TargetFeatures, torch.Tensor, torch.Tensor]:
+        """(features, labels [B, T], trainable [B, T]) for sequences `indices`, right-padded.
+
+        trainable[p]: position p's label is a response token the target chose (from the last
+        prompt position to the one before the last token).
+        """
+        items = [self.item(i) for i in indices]
+        t = max(len(it["input_ids"]) for it in items)
+        b = len(items)
+        ids = torch.zeros(b, t, dtype=torch.long)
+        labels = torch.zeros(b, t, dtype=torch.long)
+        trainable = torch.zeros(b, t, dtype=torch.bool)
+        aux = torch.zeros(b, t, items[0]["aux"].shape[-1]) if uses_aux else None
+        kvh, d = items[0][f"k.{kv_layers[0]}"].shape[1:] if kv_layers else (0, 0)
+        kv = {layer: (torch.zeros(b, kvh, t, d), torch.zeros(b, kvh, t, d)) for layer in kv_layers}
+        for r, it in enumerate(items):
+            n = len(it["input_ids"])
+            ids[r, :n] = it["input_ids"].long()
+            labels[r, :n] = it["labels"].long()
+            trainable[r, it["prompt_len"] - 1: n - 1] = True
+            if aux is not None:
+                aux[r, :n] = it["aux"].float()
+            for layer, (k, v) in kv.items():
+                k[r, :, :n] = it[f"k.{layer}"].float().transpose(0, 1)
+                v[r, :, :n] = it[f"v.{layer}"].float().transpose(0, 1)
+        return TargetFeatures(ids, aux, kv), labels, trainable

@@ -1,0 +1,340 @@
+"""Autoregressive test-time training (TTT) of a drafter, resumable after a kill.
+
+Each batch runs the drafter's 7-step chain over every position (`Drafter.chain`); step j is
+scored against the target's greedy token at p + 2 + j with weight 0.8^j. AdamW, linear warmup
+then cosine decay, gradient clipping, bf16 autocast where the CPU has native bf16.
+
+A run directory holds:
+    run.json        the drafter config, the training config and the features it trains on
+    state.pt        model, optimizer, schedule and step (every `checkpoint_every` steps, on
+                    Ctrl-C and on SIGTERM); a rerun continues from it and gives the same weights
+                    as a run that was never interrupted
+    metrics.jsonl   one line per log interval: loss and accuracy per draft step, learning rate,
+                    gradient norms of the query and K/V projections, the hybrid's gate
+    checkpoint/     config.json + model.safetensors that vLLM loads, refreshed with state.pt
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvshot_vllm.errors import KVShotError
+from kvshot_vllm.models.config import DrafterConfig
+from kvshot_vllm.models.drafter import Drafter, TargetFeatures, build_drafter
+from kvshot_vllm.models.weights import save_checkpoint
+from kvshot_vllm.training.features import FeatureSet
+
+
+class TrainConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    steps: int = Field(ge=1, description="optimizer steps")
+    batch_size: int = Field(4, ge=1, description="sequences per step")
+    ttt_steps: int = Field(7, ge=1, le=16)
+    step_weight: float = Field(0.8, gt=0)
+    lr: float = Field(1e-3, gt=0)
+    warmup: int = Field(20, ge=0)
+    weight_decay: float = 0.0
+    clip: float = Field(0.5, gt=0)
+    draft_vocab_size: int | None = Field(8192, description="None: the target's vocabulary")
+    autocast: bool | None = Field(None, description="bf16 autocast; None: where native")
+    checkpoint_every: int = Field(50, ge=1)
+    log_every: int = Field(10, ge=1)
+    seed: int = 0
+
+
+# Sized for the embedded default on 2 CPU cores (a 1-layer EAGLE-3 step of 4 sequences takes
+# about 3 s there): quick runs in about a minute per drafter, full in 6-15 minutes.
+PRESETS = {
+    "quick": TrainConfig(steps=30, batch_size=2, draft_vocab_size=4096, lr=2e-3, warmup=5,
+                         checkpoint_every=10, log_every=5),
+    "full": TrainConfig(steps=120, batch_size=4, draft_vocab_size=8192, lr=2e-3, warmup=12,
+                        checkpoint_every=20, log_every=10),
+}
+
+
+# ----------------------------------------------------------------------------- loss
+
+
+def shifted(x: torch.Tensor, by: int, fill=0) -> torch.Tensor:
+    """x[:, p + by] at column p (fill past the end): the label of draft step by - 1."""
+    out = torch.full_like(x, fill)
+    if by < x.shape[1]:
+        out[:, : x.shape[1] - by] = x[:, by:]
+    return out
+
+
+def chain_predictions(drafter: Drafter, feats: TargetFeatures, labels: torch.Tensor,
+                      trainable: torch.Tensor, steps: int):
+    """Per draft step j: (logits over the draft vocabulary of the scored rows, their target
+    labels, hit [B, T]: the draft equals the target's greedy token, scored-row mask [B, T])."""
+    out = []
+    for j, normed in enumerate(drafter.chain(feats, steps)):
+        mask = shifted(trainable, 1 + j, False)
+        target = shifted(labels, 1 + j)[mask]
+        logits = drafter.lm_head(normed[mask])
+        hit = torch.zeros_like(mask)
+        hit[mask] = drafter.target_ids(logits.argmax(-1)) == target
+        out.append((logits, target, hit, mask))
+    return out
+
+
+def ttt_loss(drafter: Drafter, feats: TargetFeatures, labels: torch.Tensor,
+             trainable: torch.Tensor, cfg: TrainConfig, t2d: torch.Tensor
+             ) -> tuple[torch.Tensor, list[float]]:
+    """Weighted cross-entropy over the chain, and the accuracy of each step. Targets outside
+    the draft vocabulary (t2d = -1) leave the loss but count as misses, as in vLLM."""
+    total, weights, accs = 0.0, 0.0, []
+    for j, (logits, target, hit, mask) in enumerate(
+            chain_predictions(drafter, feats, labels, trainable, cfg.ttt_steps)):
+        draft_label = t2d[target]
+        keep = draft_label >= 0
+        if keep.any():
+            total = total + cfg.step_weight**j * F.cross_entropy(logits[keep].float(),
+                                                                 draft_label[keep])
+            weights += cfg.step_weight**j
+        accs.append(hit[mask].float().mean().item() if mask.any() else float("nan"))
+    return total / max(weights, 1e-9), accs
+
+
+# ----------------------------------------------------------------------------- vocabulary
+
+
+def draft_vocabulary(features: FeatureSet, size: int, vocab_size: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """EAGLE-3's reduced vocabulary: the `size` tokens the target emits most often in the
+    training responses. Returns d2t [size] (draft i -> target i + d2t[i]) and t2d [vocab]
+    (target -> draft id, -1 outside)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for i in range(len(features)):
+        item = features.item(i)
+        counts += torch.bincount(item["labels"][item["prompt_len"] - 1:].long(),
+                                 minlength=vocab_size)
+    keep = counts.topk(size).indices.sort().values
+    t2d = torch.full((vocab_size,), -1, dtype=torch.long)
+    t2d[keep] = torch.arange(size)
+    return keep - torch.arange(size), t2d
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+def grad_stats(drafter: Drafter) -> dict[str, float]:
+    """Gradient RMS of query and K/V projections (the study's "sparse gradients" of draft-side
+    K/V): cross.* for the KV-reuse attention, self.* for EAGLE-3's self-attention."""
+    groups: dict[str, list[torch.Tensor]] = {}
+    for name, p in drafter.named_parameters():
+        if p.grad is None or "_proj" not in name or "attn" not in name and "cross" not in name:
+            continue
+        kind = "cross" if "cross" in name else "self"
+        proj = name.split(".")[-2]
+        if proj in ("q_proj", "k_proj", "v_proj"):
+            groups.setdefault(f"{kind}.{'q' if proj == 'q_proj' else 'kv'}", []).append(p.grad)
+    return {k: math.sqrt(sum(float(g.pow(2).sum()) for g in gs) / sum(g.numel() for g in gs))
+            for k, gs in groups.items()}
+
+
+def gate_stats(drafter: Drafter) -> dict[str, float] | None:
+    merge = getattr(drafter, "merge", None)
+    if merge is None:
+        return None
+    g = merge.gate.detach().float()
+    q = torch.quantile(g, torch.tensor([0.1, 0.5, 0.9]))
+    return {"mean": float(g.mean()), "abs_mean": float(g.abs().mean()), "p10": float(q[0]),
+            "p50": float(q[1]), "p90": float(q[2])}
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def batch_order(n: int, cfg: TrainConfig, step: int) -> list[int]:
+    """The sequences of optimizer step `step`: a seeded permutation per epoch, so that a resumed
+    run sees exactly the batches an uninterrupted one would."""
+    per_epoch = max(1, n // cfg.batch_size)
+    epoch, k = divmod(step, per_epoch)
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed * 100003 + epoch))
+    return perm[k * cfg.batch_size:(k + 1) * cfg.batch_size].tolist()
+
+
+def warm_start(drafter: Drafter, checkpoint: Path) -> list[str]:
+    """Copy every tensor of `checkpoint` whose name and shape match (EAGLE-3 / speculators
+    names, `midlayer.` read as `layers.0.`); returns the names left fresh."""
+    from safetensors.torch import load_file
+
+    path = Path(checkpoint)
+    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
+    if not files:
+        raise KVShotError(f"no safetensors weights at {checkpoint}")
+    src: dict[str, torch.Tensor] = {}
+    for f in files:
+        src |= {n.replace("midlayer.", "layers.0."): t for n, t in load_file(f).items()}
+    own = dict(drafter.named_parameters())
+    if "d2t" in src:
+        if src["d2t"].shape != drafter.d2t.shape:
+            raise KVShotError(f"warm start {checkpoint} has a draft vocabulary of "
+                              f"{src['d2t'].shape[0]}, this drafter {drafter.d2t.shape[0]}")
+        drafter.d2t.copy_(src["d2t"])
+    taken = []
+    with torch.no_grad():
+        for name, tensor in src.items():
+            if name in own and own[name].shape == tensor.shape:
+                own[name].copy_(tensor.float())
+                taken.append(name)
+    if not any(n.startswith(("layers.", "kv_layers.", "fc.")) for n in taken):
+        raise KVShotError(f"warm start {checkpoint} shares no layer weights with this drafter")
+    return sorted(set(own) - set(taken))
+
+
+class Trainer:
+    def __init__(self, run_dir: Path, drafter_cfg: DrafterConfig, cfg: TrainConfig,
+                 target_dir: Path, features: FeatureSet, init: Path | None = None) -> None:
+        self.run_dir, self.cfg, self.features = Path(run_dir), cfg, features
+        features.check_layers(drafter_cfg.aux_layers, drafter_cfg.kv_layers,
+                              drafter_cfg.uses_aux_hidden)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        run = {"drafter": drafter_cfg.model_dump(mode="json"), "train": cfg.model_dump(),
+               "features": str(features.path.resolve()), "target": str(Path(target_dir).resolve()),
+               "init": str(init) if init else None}
+        run_file = self.run_dir / "run.json"
+        if run_file.exists() and json.loads(run_file.read_text()) != run:
+            raise KVShotError(f"{self.run_dir} holds a run with other settings ({run_file}); "
+                              f"choose another --out or delete it")
+        run_file.write_text(json.dumps(run, indent=2))
+
+        torch.manual_seed(cfg.seed)
+        self.drafter = build_drafter(drafter_cfg, target_dir)
+        self.drafter.load_checkpoint_weights(self._fresh_weights(target_dir))
+        self.fresh = warm_start(self.drafter, init) if init else None
+        vd = drafter_cfg.draft_vocab_size
+        self.t2d = torch.full((drafter_cfg.target.vocab_size,), -1, dtype=torch.long)
+        self.t2d[self.drafter.target_ids(torch.arange(vd))] = torch.arange(vd)
+        self.opt = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.lr,
+                                     weight_decay=cfg.weight_decay)
+        self.step = 0
+        self.state_file = self.run_dir / "state.pt"
+        if self.state_file.exists():
+            state = torch.load(self.state_file, weights_only=True)
+            self.drafter.load_state_dict(state["model"])
+            self.opt.load_state_dict(state["optimizer"])
+            self.step = state["step"]
+            self._drop_metrics_after(self.step)
+
+    def _fresh_weights(self, target_dir: Path) -> dict[str, torch.Tensor]:
+        """Random layers; lm_head = the target's rows of the draft vocabulary, which is chosen
+        from the training data."""
+        from kvshot_vllm.models.weights import init_weights, target_lm_head
+
+        cfg = self.drafter.cfg
+        head = target_lm_head(target_dir).float()
+        weights = init_weights(cfg, seed=self.cfg.seed)
+        if cfg.draft_vocab_size == cfg.target.vocab_size:
+            weights["lm_head.weight"] = head
+        else:
+            d2t, _ = draft_vocabulary(self.features, cfg.draft_vocab_size, cfg.target.vocab_size)
+            weights["d2t"] = d2t
+            weights["lm_head.weight"] = head[d2t + torch.arange(cfg.draft_vocab_size)]
+        return weights
+
+    # ------------------------------------------------------------------ the loop
+
+    def autocast(self) -> bool:
+        if self.cfg.autocast is not None:
+            return self.cfg.autocast
+        from kvshot_vllm.engine import cpu_has_native_bf16, on_cpu
+
+        return not on_cpu() or cpu_has_native_bf16()
+
+    def save(self) -> None:
+        """state.pt and the servable checkpoint, each written beside and renamed."""
+        tmp = self.state_file.with_suffix(".partial")
+        torch.save({"model": self.drafter.state_dict(), "optimizer": self.opt.state_dict(),
+                    "step": self.step}, tmp)
+        save_checkpoint(self.drafter.cfg, self.drafter.checkpoint_weights(),
+                        self.run_dir / "checkpoint")
+        tmp.rename(self.state_file)
+
+    def _drop_metrics_after(self, step: int) -> None:
+        """A killed run logged steps it is about to redo: keep the log as one clean run's."""
+        path = self.run_dir / "metrics.jsonl"
+        if path.exists():
+            keep = [line for line in path.read_text().splitlines(keepends=True)
+                    if line.endswith("\n") and json.loads(line)["step"] <= step]
+            path.write_text("".join(keep))
+
+    def log(self, record: dict) -> None:
+        with (self.run_dir / "metrics.jsonl").open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def train(self, progress: bool = True) -> Path:
+        from tqdm import tqdm
+
+        cfg = self.cfg
+        if self.step >= cfg.steps:
+            return self.run_dir / "checkpoint"
+        stop = {"signal": None}
+        previous = signal.signal(signal.SIGTERM, lambda s, f: stop.update(signal=s))
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        window: list[tuple[float, list[float], dict[str, float]]] = []
+        start, first_step = time.perf_counter(), self.step
+        bar = tqdm(total=cfg.steps, initial=self.step, desc=f"train {self.drafter.cfg.paradigm}",
+                   unit="step", disable=not progress)
+        try:
+            while self.step < cfg.steps and stop["signal"] is None:
+                for group in self.opt.param_groups:
+                    group["lr"] = lr_at(self.step, cfg)
+                feats, labels, trainable = self.features.batch(
+                    batch_order(len(self.features), cfg, self.step), self.drafter.cfg.kv_layers,
+                    self.drafter.cfg.uses_aux_hidden)
+                with torch.autocast(device_type, dtype=torch.bfloat16, enabled=self.autocast()):
+                    loss, accs = ttt_loss(self.drafter, feats, labels, trainable, cfg, self.t2d)
+                self.opt.zero_grad(set_to_none=True)
+                loss.backward()
+                grads = grad_stats(self.drafter)
+                torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.clip)
+                self.opt.step()
+                self.step += 1
+                window.append((loss.item(), accs, grads))
+                bar.update(1)
+                bar.set_postfix(loss=f"{window[-1][0]:.3f}",
+                                acc="/".join(f"{a:.2f}" for a in accs[:4]))
+                if self.step % cfg.log_every == 0 or self.step == cfg.steps:
+                    self.log(self._summary(window, start, first_step))
+                    window = []
+                if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps:
+                    self.save()
+        except KeyboardInterrupt:
+            self.save()
+            raise
+        finally:
+            bar.close()
+            signal.signal(signal.SIGTERM, previous)
+        if stop["signal"] is not None:
+            self.save()
+            raise KVShotError(f"training stopped by signal {stop['signal']} at step "
+                              f"{self.step}; rerun the same command to continue")
+        return self.run_dir / "checkpoint"
+
+    def _summary(self, window, start: float, first_step: int) -> dict:
+        n = len(window)
+        accs = [sum(w[1][j] for w in window) / n for j in range(len(window[0][1]))]
+        grads = {k: sum(w[2].get(k, 0.0) for w in window) / n for k in window[0][2]}
+        elapsed = time.perf_counter() - start
+        return {"step": self.step, "loss": sum(w[0] for w in window) / n, "acc": accs,
+                "lr": lr_at(self.step - 1, self.cfg), "grad_rms": grads,
+                "gate": gate_stats(self.drafter),
+                "s_per_step": elapsed / max(1, self.step - first_step)}

@@ -1,0 +1,199 @@
+"""Training and diagnostics on the real embedded target: features against transformers' own
+cache, the oracle offline, loss going down, checkpoints round-tripping and resuming after a
+kill, bad checkpoints refused, and a trained checkpoint served losslessly by vLLM."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from kvshot_vllm.errors import KVShotError
+from kvshot_vllm.models.drafter import load_drafter
+from kvshot_vllm.models.oracle import build_oracle
+from kvshot_vllm.training.diagnostics import stepwise_acceptance
+from kvshot_vllm.training.features import FeatureSet, FeatureSpec, extract_features
+from kvshot_vllm.training.pipeline import drafter_config, feature_spec, features_for
+from kvshot_vllm.training.ttt import Trainer, TrainConfig, ttt_loss, warm_start
+from tests.conftest import KVSHOT, assert_one_line_error, run_kvshot
+
+NEW_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def dataset(target_fp32: Path, tmp_path_factory) -> Path:
+    """8 ShareGPT prompts (6 train, 2 held out) with greedy responses from the target (HF)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvshot_vllm.data import PrepareArgs, SourceStats, packaged_sharegpt, select_prompts
+
+    tok = AutoTokenizer.from_pretrained(target_fp32)
+    model = AutoModelForCausalLM.from_pretrained(target_fp32, dtype=torch.float32)
+    sel = select_prompts(packaged_sharegpt(), tok,
+                         PrepareArgs(num_prompts=6, num_heldout=2, max_prompt_tokens=120),
+                         SourceStats())
+    out = tmp_path_factory.mktemp("dataset")
+    for split, items in sel.items():
+        with (out / f"{split}.jsonl").open("w") as f:
+            for s in items:
+                gen = model.generate(torch.tensor([s.prompt_token_ids]), do_sample=False,
+                                     max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+                f.write(json.dumps({"id": s.id, "prompt_token_ids": s.prompt_token_ids,
+                                    "response_token_ids": gen[0, len(s.prompt_token_ids):]
+                                    .tolist()}) + "\n")
+    return out
+
+
+@pytest.fixture(scope="module")
+def train_features(data_dir, target_fp32, dataset) -> FeatureSet:
+    return features_for(data_dir, target_fp32, dataset, "train", feature_spec(target_fp32))
+
+
+def test_features_equal_what_the_target_caches(target_fp32, dataset, tmp_path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    spec = FeatureSpec(aux_layers=(2, 15, 27), kv_layers=(0, 14, 29), dtype="float32")
+    fs = FeatureSet(extract_features(target_fp32, dataset, "heldout", tmp_path, spec))
+    item = fs.item(1)
+    model = AutoModelForCausalLM.from_pretrained(target_fp32, dtype=torch.float32)
+    with torch.no_grad():
+        out = model(item["input_ids"][None].long(), use_cache=True, output_hidden_states=True)
+    for layer in spec.kv_layers:
+        cache = out.past_key_values.layers[layer]
+        torch.testing.assert_close(item[f"k.{layer}"], cache.keys[0].transpose(0, 1))
+        torch.testing.assert_close(item[f"v.{layer}"], cache.values[0].transpose(0, 1))
+    torch.testing.assert_close(item["aux"][:, 576:1152], out.hidden_states[15][0])
+    assert torch.equal(item["labels"], out.logits[0].argmax(-1).int())
+
+
+def test_oracle_is_accepted_offline(data_dir, target_fp32, dataset, tmp_path) -> None:
+    """The oracle (the target's own layers over its cached K/V) through the training-side
+    KV-only drafter: the chain math, positions and features agree with the target."""
+    features = features_for(data_dir, target_fp32, dataset, "heldout",
+                            feature_spec(target_fp32, kv_layers=list(range(30))))
+    oracle = load_drafter(build_oracle(target_fp32, tmp_path / "oracle"), target_fp32)
+    result = stepwise_acceptance(oracle.eval(), features, steps=4, progress=False)
+    assert min(result["alive"]) > 50, result
+    # fp32 near-ties between the target's logits and the oracle's recomputation (another
+    # summation order) may flip a rare argmax; a wrong read or position costs far more.
+    assert min(result["a"]) >= 0.97, result
+
+
+def _trainer(run_dir, target, features, paradigm, steps=12, **options) -> Trainer:
+    cfg = TrainConfig(steps=steps, batch_size=2, lr=3e-3, warmup=2, draft_vocab_size=2048,
+                      checkpoint_every=4, log_every=2, ttt_steps=4)
+    dcfg = drafter_config(target, cfg, paradigm=paradigm, **options)
+    return Trainer(run_dir, dcfg, cfg, target, features)
+
+
+def _loss(trainer: Trainer, features: FeatureSet) -> float:
+    feats, labels, trainable = features.batch(list(range(len(features))),
+                                              trainer.drafter.cfg.kv_layers,
+                                              trainer.drafter.cfg.uses_aux_hidden)
+    with torch.no_grad():
+        return float(ttt_loss(trainer.drafter, feats, labels, trainable, trainer.cfg,
+                              trainer.t2d)[0])
+
+
+@pytest.mark.parametrize("paradigm", ["hidden", "kv"])
+def test_training_reduces_loss(paradigm, target_fp32, train_features, tmp_path) -> None:
+    trainer = _trainer(tmp_path / paradigm, target_fp32, train_features, paradigm)
+    before = _loss(trainer, train_features)
+    trainer.train(progress=False)
+    after = _loss(trainer, train_features)
+    assert after < 0.8 * before, (before, after)
+    log = [json.loads(line) for line in (tmp_path / paradigm / "metrics.jsonl").open()]
+    assert [r["step"] for r in log] == [2, 4, 6, 8, 10, 12]
+    assert log[-1]["grad_rms"]["cross.kv" if paradigm == "kv" else "self.kv"] > 0
+
+
+def test_hybrid_checkpoint_round_trips_and_warm_starts(target_fp32, train_features,
+                                                       tmp_path) -> None:
+    trainer = _trainer(tmp_path / "hybrid", target_fp32, train_features, "hybrid", steps=2)
+    ckpt = trainer.train(progress=False)
+    loaded = load_drafter(ckpt, target_fp32)
+    feats, _, _ = train_features.batch([0, 1], loaded.cfg.kv_layers, True)
+    with torch.no_grad():
+        for a, b in zip(trainer.drafter.chain(feats, 3), loaded.chain(feats, 3)):
+            assert torch.equal(a, b)
+    assert torch.equal(loaded.d2t, trainer.drafter.d2t) and loaded.d2t.abs().sum() > 0
+    assert json.loads((ckpt / "config.json").read_text())["architectures"] == ["KVShotLlamaEagle3"]
+
+    # warm start of a hybrid from it: every EAGLE-3 weight kept, the cross branch fresh
+    fresh = _trainer(tmp_path / "warm", target_fp32, train_features, "hybrid", steps=2,
+                     gate_init=0.1)
+    left = warm_start(fresh.drafter, ckpt)
+    assert left == []  # a hybrid checkpoint fills a hybrid entirely
+    saved = load_file(ckpt / "model.safetensors")
+    assert torch.equal(fresh.drafter.layers[0].self_attn.q_proj.weight,
+                       saved["layers.0.self_attn.q_proj.weight"])
+
+
+BAD = {
+    "hidden size": (lambda c: c["kvshot"]["target"].update(hidden_size=960),
+                    "hidden_size: drafter was trained for 960, target has 576"),
+    "vocabulary": (lambda c: c["kvshot"]["target"].update(vocab_size=32000),
+                   "vocab_size: drafter was trained for 32000, target has 49152"),
+    "layer count": (lambda c: c["kvshot"]["target"].update(num_layers=40),
+                    "num_layers: drafter was trained for 40, target has 30"),
+    "sampled layer": (lambda c: c["kvshot"].update(kv_layers=[3, 30]),
+                      "kv_layers [30] out of range for a target with 30 layers"),
+}
+
+
+def test_bad_checkpoints_fail_at_load(data_dir, target_fp32, dataset, train_features,
+                                      tmp_path) -> None:
+    import shutil
+
+    good = _trainer(tmp_path / "kv", target_fp32, train_features, "kv", steps=1).train(
+        progress=False)
+    for case, (edit, message) in BAD.items():
+        bad = tmp_path / case.replace(" ", "-")
+        shutil.copytree(good, bad)
+        cfg = json.loads((bad / "config.json").read_text())
+        edit(cfg)
+        (bad / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(KVShotError, match=message.replace("[", r"\[").replace("]", r"\]")):
+            load_drafter(bad, target_fp32)
+    proc = run_kvshot("diagnose", str(tmp_path / "hidden-size"), "--target", str(target_fp32),
+                      "--dataset", str(dataset), "--out", str(tmp_path / "report"),
+                      "--data-dir", str(data_dir))
+    assert_one_line_error(proc, BAD["hidden size"][1])
+
+
+def _train_cmd(data_dir, target, dataset, out) -> list[str]:
+    return [*KVSHOT, "train", "--paradigm", "hybrid", "--preset", "quick", "--steps", "8",
+            "--batch-size", "2", "--checkpoint-every", "2", "--target", str(target), "--dataset", str(dataset),
+            "--data-dir", str(data_dir), "--out", str(out)]
+
+
+def test_training_resumes_after_kill_with_nothing_lost(data_dir, target_fp32, dataset,
+                                                       train_features, tmp_path) -> None:
+    """SIGKILL once a checkpoint exists, rerun: the weights equal an uninterrupted run's."""
+    whole = subprocess.run(_train_cmd(data_dir, target_fp32, dataset, tmp_path / "whole"),
+                           capture_output=True, text=True, timeout=600)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    cut = tmp_path / "cut"
+    proc = subprocess.Popen(_train_cmd(data_dir, target_fp32, dataset, cut),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not (cut / "state.pt").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    step = torch.load(cut / "state.pt", weights_only=True)["step"]
+    assert step < 8, "the kill came too late to test resumption"
+    resumed = subprocess.run(_train_cmd(data_dir, target_fp32, dataset, cut),
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    a = load_file(tmp_path / "whole" / "checkpoint" / "model.safetensors")
+    b = load_file(cut / "checkpoint" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    steps = [json.loads(line)["step"] for line in (cut / "metrics.jsonl").open()]
+    assert steps == sorted(set(steps)) and steps[-1] == 8

@@ -1,0 +1,129 @@
+"""Pure-logic tests of the training-side drafters on a tiny synthetic Llama target (no files):
+what each row of a TTT chain may see, against hand-built references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from kvshot_vllm.models.config import TargetSpec, validated
+from kvshot_vllm.models.drafter import TargetFeatures
+from kvshot_vllm.models.eagle3 import HiddenDrafter
+from kvshot_vllm.models.hybrid import HybridDrafter
+from kvshot_vllm.models.kv_only import KVOnlyDrafter
+from kvshot_vllm.models.layers import draft_attention
+from kvshot_vllm.models.weights import init_weights
+from kvshot_vllm.training.ttt import TrainConfig, batch_order, lr_at, shifted
+
+TINY = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=50,
+                   rms_norm_eps=1e-6)
+KINDS = {"hidden": HiddenDrafter, "kv": KVOnlyDrafter, "hybrid": HybridDrafter}
+
+
+def tiny_drafter(paradigm: str, **options):
+    spec = TargetSpec.from_hf_config(TINY, "tiny")
+    cfg = validated({"paradigm": paradigm, "target": spec, **options})
+    torch.manual_seed(0)
+    drafter = KINDS[paradigm](cfg, TINY, torch.randn(TINY.vocab_size, TINY.hidden_size))
+    drafter.load_checkpoint_weights(init_weights(cfg, std=0.3))
+    return drafter.eval()
+
+
+def tiny_features(drafter, t: int, seed: int = 0) -> TargetFeatures:
+    g = torch.Generator().manual_seed(seed)
+    cfg = drafter.cfg
+    kv = {layer: (torch.randn(1, 2, t, 8, generator=g), torch.randn(1, 2, t, 8, generator=g))
+          for layer in cfg.kv_layers}
+    return TargetFeatures(torch.randint(0, TINY.vocab_size, (1, t), generator=g),
+                          torch.randn(1, t, len(cfg.aux_layers) * 32, generator=g), kv)
+
+
+def test_draft_attention_row_sees_its_prefix_and_own_chain_only() -> None:
+    """Against a per-row loop over the keys the row may see: context rows 0..p, then its own
+    chain keys in order."""
+    g = torch.Generator().manual_seed(1)
+    b, t, h, kvh, d = 2, 5, 4, 2, 8
+    q = torch.randn(b, t, h, d, generator=g)
+    ctx = (torch.randn(b, kvh, t, d, generator=g), torch.randn(b, kvh, t, d, generator=g))
+    diag = [(torch.randn(b, t, kvh, d, generator=g), torch.randn(b, t, kvh, d, generator=g))
+            for _ in range(3)]
+    out = draft_attention(q, ctx, diag).view(b, t, h, d)
+    for bi in range(b):
+        for p in range(t):
+            for head in range(h):
+                kv_head = head // (h // kvh)
+                keys = torch.cat([ctx[0][bi, kv_head, : p + 1]] +
+                                 [k[bi, p, kv_head][None] for k, _ in diag])
+                vals = torch.cat([ctx[1][bi, kv_head, : p + 1]] +
+                                 [v[bi, p, kv_head][None] for _, v in diag])
+                w = torch.softmax(keys @ q[bi, p, head] * d**-0.5, dim=0)
+                torch.testing.assert_close(out[bi, p, head], w @ vals)
+
+
+@pytest.mark.parametrize("paradigm", ["hidden", "kv", "hybrid"])
+def test_chain_row_depends_on_nothing_beyond_its_draft(paradigm: str) -> None:
+    """Row p at step j drafts token p + 2 + j from tokens <= p + 1 + j and target features of
+    positions <= p. Changing anything later leaves it unchanged; changing its own input token
+    changes it."""
+    drafter = tiny_drafter(paradigm, num_layers=2 if paradigm == "kv" else 1)
+    t, steps, p = 12, 4, 5
+    base = tiny_features(drafter, t)
+    with torch.no_grad():
+        ref = drafter.chain(base, steps)
+    for j in range(steps):
+        later = tiny_features(drafter, t, seed=7)
+        later.input_ids[:, : p + 2 + j] = base.input_ids[:, : p + 2 + j]
+        later.aux_hidden[:, : p + 1] = base.aux_hidden[:, : p + 1]
+        for layer, (k, v) in later.target_kv.items():
+            k[:, :, : p + 1] = base.target_kv[layer][0][:, :, : p + 1]
+            v[:, :, : p + 1] = base.target_kv[layer][1][:, :, : p + 1]
+        with torch.no_grad():
+            out = drafter.chain(later, steps)
+        torch.testing.assert_close(out[j][:, : p + 1], ref[j][:, : p + 1])
+
+        own_token = tiny_features(drafter, t)
+        own_token.input_ids[0, p + 1 + j] = (base.input_ids[0, p + 1 + j] + 1) % TINY.vocab_size
+        with torch.no_grad():
+            changed = drafter.chain(own_token, steps)
+        assert not torch.allclose(changed[j][0, p], ref[j][0, p])
+
+
+def test_hidden_only_ignores_target_kv_and_kv_only_ignores_hidden() -> None:
+    hidden, kv = tiny_drafter("hidden"), tiny_drafter("kv")
+    f = tiny_features(kv, 8)
+    g = TargetFeatures(f.input_ids, torch.zeros_like(f.aux_hidden),
+                       {n: (k * 2, v) for n, (k, v) in f.target_kv.items()})
+    with torch.no_grad():
+        torch.testing.assert_close(kv.chain(f, 3)[2], kv.chain(
+            TargetFeatures(f.input_ids, torch.zeros_like(f.aux_hidden), f.target_kv), 3)[2])
+        assert not torch.allclose(kv.chain(f, 1)[0], kv.chain(g, 1)[0])
+        fh = tiny_features(hidden, 8)
+        assert not torch.allclose(hidden.chain(fh, 1)[0], hidden.chain(
+            TargetFeatures(fh.input_ids, fh.aux_hidden * 2, {}), 1)[0])
+
+
+def test_gate_zero_hybrid_is_eagle3() -> None:
+    """gate = 0: the cross-attention correction vanishes and the hybrid computes EAGLE-3."""
+    hybrid = tiny_drafter("hybrid", gate_init=0.0)
+    hidden = tiny_drafter("hidden")
+    hidden.load_state_dict({n: w for n, w in hybrid.state_dict().items()
+                            if not n.startswith(("cross.", "merge."))})
+    f = tiny_features(hybrid, 10)
+    with torch.no_grad():
+        for a, b in zip(hybrid.chain(f, 3), hidden.chain(f, 3)):
+            torch.testing.assert_close(a, b)
+
+
+def test_shifted_labels_and_schedule() -> None:
+    x = torch.tensor([[1, 2, 3, 4]])
+    assert shifted(x, 1).tolist() == [[2, 3, 4, 0]]
+    assert shifted(x, 3, fill=-1).tolist() == [[4, -1, -1, -1]]
+    cfg = TrainConfig(steps=100, warmup=10, lr=1.0)
+    assert lr_at(0, cfg) == pytest.approx(0.1) and lr_at(9, cfg) == pytest.approx(1.0)
+    assert lr_at(55, cfg) == pytest.approx(0.5) and lr_at(99, cfg) < 0.01
+    # the same step gives the same batch: a resumed run replays the uninterrupted one
+    assert batch_order(10, cfg, 7) == batch_order(10, cfg, 7)
+    epoch = [i for s in range(2) for i in batch_order(10, TrainConfig(steps=9, batch_size=5), s)]
+    assert sorted(epoch) == list(range(10))
