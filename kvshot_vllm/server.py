@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -93,8 +94,8 @@ class VLLMServer:
             if self.proc.poll() is not None:
                 self.stop()
                 raise KVShotError(
-                    f"vllm serve exited with code {self.proc.returncode} before it was ready; "
-                    f"last lines of {self.log_path}:\n{self.log_tail()}"
+                    f"vllm serve exited with code {self.proc.returncode} before it was ready: "
+                    f"{self.root_cause()}; last lines of {self.log_path}:\n{self.log_tail()}"
                 )
             if self.healthy():
                 return self
@@ -118,6 +119,18 @@ class VLLMServer:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return ""
+
+    def root_cause(self) -> str:
+        """The first exception message of the log that is not vLLM's generic wrapper."""
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "no log"
+        found = [m.group(1) for line in lines
+                 if (m := re.search(r"\b(\w*(?:Error|Exception): .+)$", line))]
+        specific = [f for f in found if "KVShotError" in f] or [
+            f for f in found if "Engine core initialization failed" not in f]
+        return (specific or found or ["see the log"])[0]
 
     def stop(self, grace_s: float = 20.0) -> None:
         """SIGINT to the whole process group, then SIGKILL whatever is left."""

