@@ -133,11 +133,13 @@ def cmd_train(a: argparse.Namespace) -> None:
     data_dir, target, dataset = _training_inputs(a)
     cfg = train_config(a.preset, steps=a.steps, batch_size=a.batch_size, lr=a.lr,
                        draft_vocab_size=a.draft_vocab_size, checkpoint_every=a.checkpoint_every)
-    name = a.name or f"{a.paradigm}-{a.num_layers}L-{a.preset}"
+    linear = "-linear" if a.kv_projection == "linear" else ""
+    name = a.name or f"{a.paradigm}-{a.num_layers}L{linear}-{a.preset}"
     run_dir = Path(a.out) if a.out else data_dir / "runs" / name
     ckpt = train(data_dir, target, dataset, run_dir, cfg, init=Path(a.init) if a.init else None,
                  paradigm=a.paradigm, num_layers=a.num_layers, kv_layers=a.kv_layers,
-                 kv_projection=a.kv_projection, gate_init=a.gate_init)
+                 kv_projection=a.kv_projection, reapply_rope=a.reapply_rope or None,
+                 gate_init=a.gate_init)
     print(f"checkpoint: {ckpt}")
     print(f"serve: vllm serve {target} --speculative-config "
           f"'{{\"method\": \"eagle3\", \"model\": \"{ckpt}\", \"num_speculative_tokens\": 3}}'")
@@ -308,7 +310,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-layers", type=int, default=1)
     p.add_argument("--kv-layers", type=int, nargs="+",
                    help="target layers whose KV cache is read (default: 3 uniformly spaced)")
-    p.add_argument("--kv-projection", default="head_concat", choices=["head_concat"])
+    p.add_argument("--kv-projection", default="head_concat", choices=["head_concat", "linear"],
+                   help="linear: KVShot's projection of the sampled layers' concatenated K/V "
+                   "(trained and diagnosed offline; vLLM cannot serve it in place)")
+    p.add_argument("--reapply-rope", action="store_true",
+                   help="linear: undo RoPE on the cached keys before the projection, redo after")
     p.add_argument("--gate-init", type=float)
     p.add_argument("--init", help="warm start: a kvshot, EAGLE-3 or speculators checkpoint; "
                    "matching weights are copied, the rest (e.g. a hybrid's cross branch) fresh")

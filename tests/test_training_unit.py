@@ -62,12 +62,16 @@ def test_draft_attention_row_sees_its_prefix_and_own_chain_only() -> None:
                 torch.testing.assert_close(out[bi, p, head], w @ vals)
 
 
-@pytest.mark.parametrize("paradigm", ["hidden", "kv", "hybrid"])
-def test_chain_row_depends_on_nothing_beyond_its_draft(paradigm: str) -> None:
+@pytest.mark.parametrize("paradigm,options", [
+    ("hidden", {}), ("kv", {"num_layers": 2}), ("hybrid", {}),
+    ("kv", {"kv_projection": "linear", "reapply_rope": True}),
+    ("hybrid", {"kv_projection": "linear"}),
+])
+def test_chain_row_depends_on_nothing_beyond_its_draft(paradigm: str, options: dict) -> None:
     """Row p at step j drafts token p + 2 + j from tokens <= p + 1 + j and target features of
     positions <= p. Changing anything later leaves it unchanged; changing its own input token
     changes it."""
-    drafter = tiny_drafter(paradigm, num_layers=2 if paradigm == "kv" else 1)
+    drafter = tiny_drafter(paradigm, **options)
     t, steps, p = 12, 4, 5
     base = tiny_features(drafter, t)
     with torch.no_grad():
@@ -127,3 +131,16 @@ def test_shifted_labels_and_schedule() -> None:
     assert batch_order(10, cfg, 7) == batch_order(10, cfg, 7)
     epoch = [i for s in range(2) for i in batch_order(10, TrainConfig(steps=9, batch_size=5), s)]
     assert sorted(epoch) == list(range(10))
+
+
+@pytest.mark.parametrize("reapply_rope", [True, False])
+def test_linear_projection_starts_as_the_mean_of_the_sampled_layers(reapply_rope) -> None:
+    """Fresh k_merge / v_merge average the sampled layers: three copies of one layer's cached
+    K/V come back as that layer's (so the RoPE undo/redo round-trips exactly)."""
+    drafter = tiny_drafter("kv", kv_projection="linear", reapply_rope=reapply_rope)
+    cross = drafter.kv_layers[0].cross
+    k, v = torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 8)
+    with torch.no_grad():
+        (mk, mv), = cross.target_context([(k, v)] * 3, drafter.rope)
+    torch.testing.assert_close(mk, k, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(mv, v, atol=1e-5, rtol=1e-5)

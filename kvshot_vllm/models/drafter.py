@@ -77,6 +77,11 @@ class DraftAttention(nn.Module):
         self.v_proj = nn.Linear(in_size, kv_size, bias=False)
         self.o_proj = nn.Linear(q_size, target.hidden_size, bias=False)
 
+    def target_context(self, target_kv: list[tuple[torch.Tensor, torch.Tensor]], rope: "Rope"
+                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The context each group attends: head_concat reads every sampled layer as cached."""
+        return target_kv
+
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], chain: ChainKV,
                 ctx: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
         """x [B, T, in] -> [B, T, hidden]. `ctx`: target K/V per group (cross-attention), or None
@@ -96,6 +101,42 @@ class DraftAttention(nn.Module):
         outs = [draft_attention(qs[g], ctx[g], [step[g] for step in chain.diag])
                 for g in range(self.groups)]
         return self.o_proj(torch.cat(outs, dim=-1))
+
+
+class LinearKVAttention(DraftAttention):
+    """KVShot's "linear" projection: the K/V of all sampled layers, concatenated per position,
+    projected to one K/V that a single attention reads. With `reapply_rope` the cached keys are
+    rotated back to position 0 before the projection and the result rotated again, so that the
+    projection cannot mix rotation phases. Training only: no paged-attention kernel computes it
+    in place."""
+
+    def __init__(self, in_size: int, target: TargetSpec, num_layers: int,
+                 reapply_rope: bool) -> None:
+        super().__init__(in_size, target, groups=1)
+        kv = target.num_kv_heads * target.head_dim
+        self.k_merge = nn.Linear(num_layers * kv, kv, bias=False)
+        self.v_merge = nn.Linear(num_layers * kv, kv, bias=False)
+        self.reapply_rope = reapply_rope
+
+    def target_context(self, target_kv, rope):
+        b, kvh, t, d = target_kv[0][0].shape
+        keys = [k.transpose(1, 2) for k, _ in target_kv]  # [B, T, KVH, d]
+        if self.reapply_rope:
+            cos, sin = rope(torch.arange(t, device=keys[0].device).expand(b, t))
+            keys = [rotate(k, cos, -sin) for k in keys]
+        k = self.k_merge(torch.cat([k.reshape(b, t, -1) for k in keys], -1)).view(b, t, kvh, d)
+        if self.reapply_rope:
+            k = rotate(k, cos, sin)
+        v = self.v_merge(torch.cat([v.transpose(1, 2).reshape(b, t, -1) for _, v in target_kv],
+                                   -1)).view(b, t, kvh, d)
+        return [(k.transpose(1, 2), v.transpose(1, 2))]
+
+
+def cross_attention(in_size: int, cfg: DrafterConfig, num_layers: int) -> DraftAttention:
+    """The attention over target K/V that `cfg.kv_projection` asks for."""
+    if cfg.kv_projection == "linear":
+        return LinearKVAttention(in_size, cfg.target, num_layers, cfg.reapply_rope)
+    return DraftAttention(in_size, cfg.target, groups=num_layers)
 
 
 class Drafter(nn.Module):
@@ -180,9 +221,6 @@ def build_drafter(cfg: DrafterConfig, target_dir: Path) -> Drafter:
     from kvshot_vllm.models.weights import target_embedding
 
     check_fits_target(cfg, target_spec(target_dir))
-    if cfg.kv_projection != "head_concat":
-        raise KVShotError("kv_projection 'linear' is not implemented by the training-side "
-                          "drafters yet; use head_concat")
     kinds: dict[str, type[Drafter]] = {"hidden": HiddenDrafter, "kv": KVOnlyDrafter,
                                        "hybrid": HybridDrafter}
     return kinds[cfg.paradigm](cfg, AutoConfig.from_pretrained(target_dir),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from kvshot_vllm.models.config import DrafterConfig
-from kvshot_vllm.models.drafter import DraftAttention
+from kvshot_vllm.models.drafter import cross_attention
 from kvshot_vllm.models.eagle3 import HiddenDrafter
 from kvshot_vllm.models.kv_only import cross_attend
 from kvshot_vllm.models.layers import GatedDelta
@@ -17,7 +17,7 @@ class HybridDrafter(HiddenDrafter):
     def __init__(self, cfg: DrafterConfig, target_hf_config, embed: torch.Tensor) -> None:
         super().__init__(cfg, target_hf_config, embed)
         h = cfg.target.hidden_size
-        self.cross = DraftAttention(2 * h, cfg.target, groups=len(cfg.kv_layers))
+        self.cross = cross_attention(2 * h, cfg, len(cfg.kv_layers))
         self.merge = GatedDelta(h, cfg.gate_init)
 
     def first_attention(self, x, rope, positions, feats, chains):

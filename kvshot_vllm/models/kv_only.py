@@ -7,23 +7,26 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from kvshot_vllm.models.config import DrafterConfig, TargetSpec
-from kvshot_vllm.models.drafter import ChainKV, DraftAttention, Drafter, TargetFeatures
+from kvshot_vllm.models.config import DrafterConfig
+from kvshot_vllm.models.drafter import (ChainKV, DraftAttention, Drafter, TargetFeatures,
+                                        cross_attention)
 from kvshot_vllm.models.layers import RMSNorm, SwiGLU
 
 
 def cross_attend(cross: DraftAttention, x: torch.Tensor, positions: torch.Tensor, rope_fn,
                  feats: TargetFeatures, layers: list[int], chain: ChainKV) -> torch.Tensor:
     """A row at vLLM position p carries the token at p + 1: its query and own key sit there."""
-    return cross(x, rope_fn(positions + 1), chain, ctx=[feats.target_kv[i] for i in layers])
+    ctx = cross.target_context([feats.target_kv[i] for i in layers], rope_fn)
+    return cross(x, rope_fn(positions + 1), chain, ctx=ctx)
 
 
 class KVLayer(nn.Module):
-    def __init__(self, target: TargetSpec, num_reads: int) -> None:
+    def __init__(self, cfg: DrafterConfig, num_reads: int) -> None:
         super().__init__()
+        target = cfg.target
         h, eps = target.hidden_size, target.rms_norm_eps
         self.input_norm = RMSNorm(h, eps)
-        self.cross = DraftAttention(h, target, groups=num_reads)
+        self.cross = cross_attention(h, cfg, num_reads)
         self.post_norm = RMSNorm(h, eps)
         self.mlp = SwiGLU(h, target.intermediate_size)
 
@@ -32,7 +35,7 @@ class KVOnlyDrafter(Drafter):
     def __init__(self, cfg: DrafterConfig, target_hf_config, embed: torch.Tensor) -> None:
         super().__init__(cfg, target_hf_config, embed)
         self.reads = cfg.layer_reads()
-        self.kv_layers = nn.ModuleList(KVLayer(cfg.target, len(r)) for r in self.reads)
+        self.kv_layers = nn.ModuleList(KVLayer(cfg, len(r)) for r in self.reads)
 
     def step(self, embeds, hidden, positions, feats, chains):
         x = embeds

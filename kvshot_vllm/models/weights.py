@@ -22,10 +22,18 @@ def _mlp(prefix: str, h: int, inter: int) -> dict[str, tuple[int, ...]]:
             f"{prefix}.down_proj.weight": (h, inter)}
 
 
-def _cross(prefix: str, t: TargetSpec, s: int, in_size: int) -> dict[str, tuple[int, ...]]:
-    q, kv = s * t.num_attention_heads * t.head_dim, s * t.num_kv_heads * t.head_dim
-    return {f"{prefix}.q_proj.weight": (q, in_size), f"{prefix}.k_proj.weight": (kv, in_size),
-            f"{prefix}.v_proj.weight": (kv, in_size), f"{prefix}.o_proj.weight": (t.hidden_size, q)}
+def _cross(prefix: str, t: TargetSpec, s: int, in_size: int,
+           linear: bool) -> dict[str, tuple[int, ...]]:
+    """head_concat: s attentions side by side. linear: the s layers' K/V merged into one K/V by
+    k_merge / v_merge, then one attention."""
+    groups = 1 if linear else s
+    q, kv = groups * t.num_attention_heads * t.head_dim, groups * t.num_kv_heads * t.head_dim
+    shapes = {f"{prefix}.q_proj.weight": (q, in_size), f"{prefix}.k_proj.weight": (kv, in_size),
+              f"{prefix}.v_proj.weight": (kv, in_size),
+              f"{prefix}.o_proj.weight": (t.hidden_size, q)}
+    if linear:
+        shapes |= {f"{prefix}.k_merge.weight": (kv, s * kv), f"{prefix}.v_merge.weight": (kv, s * kv)}
+    return shapes
 
 
 def expected_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
@@ -39,7 +47,7 @@ def expected_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
         for i, reads in enumerate(cfg.layer_reads()):
             p = f"kv_layers.{i}"
             shapes |= {f"{p}.input_norm.weight": (h,), f"{p}.post_norm.weight": (h,)}
-            shapes |= _cross(f"{p}.cross", t, len(reads), h)
+            shapes |= _cross(f"{p}.cross", t, len(reads), h, cfg.kv_projection == "linear")
             shapes |= _mlp(f"{p}.mlp", h, t.intermediate_size)
         return shapes
     shapes["fc.weight"] = (h, len(cfg.aux_layers) * h)
@@ -54,7 +62,7 @@ def expected_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
         shapes |= _mlp(f"{p}.mlp", h, t.intermediate_size)
     shapes["layers.0.hidden_norm.weight"] = (h,)
     if cfg.paradigm == "hybrid":
-        shapes |= _cross("cross", t, len(cfg.kv_layers), 2 * h)
+        shapes |= _cross("cross", t, len(cfg.kv_layers), 2 * h, cfg.kv_projection == "linear")
         shapes |= {"merge.delta_proj.weight": (h, h), "merge.gate": (h,)}
     return shapes
 
@@ -70,6 +78,9 @@ def init_weights(cfg: DrafterConfig, seed: int = 0, std: float = 0.02,
             weights[name] = torch.ones(shape)
         elif name == "merge.gate":
             weights[name] = torch.full(shape, cfg.gate_init)
+        elif name.endswith("_merge.weight"):  # start as the mean of the sampled layers' K/V
+            out_size, in_size = shape
+            weights[name] = torch.eye(out_size).repeat(1, in_size // out_size) * out_size / in_size
         elif name == "d2t":
             weights[name] = torch.zeros(shape, dtype=torch.long)
         else:
