@@ -102,11 +102,11 @@ def main() -> None:
     configure_vllm_env(data_dir)
     target, _ = prepare_target(data_dir, "bfloat16")
     drafters = {p: init_checkpoint(target, data_dir / "bench-drafters" / p, paradigm=p)
-                for p in ("hidden", "kv", "hybrid")}
+                for p in ("hidden", "kv", "hybrid", "block")}
     runs = {"no speculation": measure(target, data_dir, None, a.k, a.max_tokens,
                                       a.max_model_len)}
     for name, label in (("hidden", "stock EAGLE-3 (hidden-only)"), ("kv", "KV-only, 1 layer"),
-                        ("hybrid", "hybrid")):
+                        ("hybrid", "hybrid"), ("block", "block-parallel, 1 layer")):
         runs[label] = measure(target, data_dir, drafters[name], a.k, a.max_tokens,
                               a.max_model_len)
         print(label, runs[label], flush=True)

@@ -267,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
         "of training, and a lossless-serving test subject.")
     _add_data_dir(p)
     _add_target(p)
-    p.add_argument("--paradigm", required=True, choices=["hidden", "kv", "hybrid"])
+    p.add_argument("--paradigm", required=True, choices=["hidden", "kv", "hybrid", "block"])
     p.add_argument("--num-layers", type=int, default=1)
     p.add_argument("--kv-layers", type=int, nargs="+",
                    help="target layers whose KV cache is read (default: 3 uniformly spaced)")
@@ -304,7 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
         "killed run. Writes RUN_DIR/checkpoint (config.json + model.safetensors, served by "
         "vLLM), metrics.jsonl and state.pt.")
     training_inputs(p)
-    p.add_argument("--paradigm", required=True, choices=["hidden", "kv", "hybrid"])
+    p.add_argument("--paradigm", required=True, choices=["hidden", "kv", "hybrid", "block"],
+                   help="block: block-parallel, trained block-wise (all k drafts of a proposal "
+                   "from the last verified hidden state and the target's KV)")
     p.add_argument("--preset", default="quick", help="quick (minutes, for tests and the demo) "
                    "or full (the study's budget)")
     p.add_argument("--num-layers", type=int, default=1)

@@ -3,7 +3,7 @@
 For each configuration (no speculation, ngram, stock EAGLE-3 without the plugin, the kvshot
 drafters) it starts `vllm serve` on 127.0.0.1, waits for health, warms it up, then for each
 concurrency level sends a fixed number of streaming completion requests (held-out prompts,
-their own response lengths, `ignore_eos` so that every configuration generates the same tokens)
+their own response lengths, `ignore_eos` so that every configuration generates as many tokens)
 through vLLM's own benchmark client (`vllm.benchmarks.lib.endpoint_request_func`), and scrapes
 `/metrics` before and after: MAT and per-position acceptance come from the difference of the
 server's spec-decode counters. The server is stopped by process group afterwards, also on
@@ -358,7 +358,7 @@ def report_lines(data: dict) -> list[str]:
              f"Target {Path(env['target']).name}; {env['cpu']}, {env['cores']} cores; vLLM "
              f"{env['versions'].get('vllm')}; {data['settings']['repeats']} repeat(s) per level "
              "(medians, spread = min..max); held-out prompts, every configuration generating "
-             "the same tokens.", "",
+             "as many tokens.", "",
              "TPOT: per-token latency of a request after its first token (the inter-token "
              "latency a user sees). ITL: gaps between streamed chunks. Speedups against no "
              "speculation at the same concurrency, same run.", "",

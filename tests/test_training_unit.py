@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
+from kvshot_vllm.models.block import BlockDrafter
 from kvshot_vllm.models.config import TargetSpec, validated
 from kvshot_vllm.models.drafter import TargetFeatures
 from kvshot_vllm.models.eagle3 import HiddenDrafter
@@ -19,7 +20,8 @@ from kvshot_vllm.training.ttt import TrainConfig, batch_order, lr_at, shifted
 TINY = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=6,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=50,
                    rms_norm_eps=1e-6)
-KINDS = {"hidden": HiddenDrafter, "kv": KVOnlyDrafter, "hybrid": HybridDrafter}
+KINDS = {"hidden": HiddenDrafter, "kv": KVOnlyDrafter, "hybrid": HybridDrafter,
+         "block": BlockDrafter}
 
 
 def tiny_drafter(paradigm: str, **options):
@@ -144,3 +146,35 @@ def test_linear_projection_starts_as_the_mean_of_the_sampled_layers(reapply_rope
         (mk, mv), = cross.target_context([(k, v)] * 3, drafter.rope)
     torch.testing.assert_close(mk, k, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(mv, v, atol=1e-5, rtol=1e-5)
+
+
+def test_block_rows_see_the_prefix_and_earlier_block_rows_only() -> None:
+    """Block anchored at p (last verified position): row j sits at p + 1 + j. It sees the
+    target's K/V and hidden state up to p, the bonus token p + 1 (through row 0) and block rows
+    0..j; never a token after p + 1 (rows 1.. carry the mask), nor later block rows."""
+    drafter = tiny_drafter("block", num_layers=2)
+    t, k, p = 12, 4, 4
+    base = tiny_features(drafter, t)
+    with torch.no_grad():
+        ref = torch.stack(drafter.chain(base, k))[:, 0, p]  # [k, hidden]: rows of the block
+
+        def rows(edit) -> torch.Tensor:
+            f = tiny_features(drafter, t)  # the same draws as base
+            edit(f)
+            return torch.stack(drafter.chain(f, k))[:, 0, p]
+
+        def changed(edit) -> list[bool]:
+            return [not torch.allclose(a, b) for a, b in zip(rows(edit), ref)]
+
+        later_tokens = lambda f: f.input_ids[0, p + 2:].random_(0, TINY.vocab_size)  # noqa
+        assert changed(later_tokens) == [False] * k
+        later_target = lambda f: [kv[0][:, :, p + 1:].normal_() for kv in f.target_kv.values()]  # noqa
+        assert changed(later_target) == [False] * k
+        later_hidden = lambda f: f.aux_hidden[:, p + 1:].normal_()  # noqa
+        assert changed(later_hidden) == [False] * k
+        bonus = lambda f: f.input_ids[0, p + 1].add_(1).remainder_(TINY.vocab_size)  # noqa
+        assert changed(bonus) == [True] * k
+        prefix_target = lambda f: [kv[1][:, :, p].normal_() for kv in f.target_kv.values()]  # noqa
+        assert changed(prefix_target) == [True] * k
+        own_hidden = lambda f: f.aux_hidden[:, p].normal_()  # noqa
+        assert changed(own_hidden) == [True] * k

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from kvshot_vllm.errors import KVShotError
 
-Paradigm = Literal["hidden", "kv", "hybrid"]
+Paradigm = Literal["hidden", "kv", "hybrid", "block"]
 STOCK_EAGLE3_ARCH = "Eagle3LlamaForCausalLM"
 KVSHOT_ARCH = "KVShotLlamaEagle3"
 
@@ -120,9 +120,14 @@ class DrafterConfig(BaseModel):
         return [list(self.kv_layers)] * self.num_layers
 
     @property
+    def reads_only_kv(self) -> bool:
+        """KV-only and block drafters: layers that attend the target's cache, no self-attention."""
+        return self.paradigm in ("kv", "block")
+
+    @property
     def eagle_layers(self) -> int:
-        """Self-attention (EAGLE-3) layers: none in a KV-only drafter."""
-        return 0 if self.paradigm == "kv" else self.num_layers
+        """Self-attention (EAGLE-3) layers: none in KV-only and block drafters."""
+        return 0 if self.reads_only_kv else self.num_layers
 
     @property
     def uses_aux_hidden(self) -> bool:

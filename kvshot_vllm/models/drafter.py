@@ -164,6 +164,10 @@ class Drafter(nn.Module):
         """The hidden input of draft step 0 (EAGLE-3: fc of the fused aux hidden states)."""
         return None
 
+    def step_embeds(self, j: int, tokens: torch.Tensor) -> torch.Tensor:
+        """What the rows of draft step j carry: the embedding of their token."""
+        return self.embed[tokens]
+
     def step(self, embeds: torch.Tensor, hidden: torch.Tensor | None, positions: torch.Tensor,
              feats: TargetFeatures, chains: dict[str, ChainKV]
              ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,7 +188,8 @@ class Drafter(nn.Module):
             tokens = torch.zeros_like(ids)
             tokens[:, : max(t - 1 - j, 0)] = ids[:, 1 + j:]
             positions = torch.arange(j, t + j, device=ids.device).expand(b, t)
-            normed, hidden = self.step(self.embed[tokens], hidden, positions, feats, chains)
+            normed, hidden = self.step(self.step_embeds(j, tokens), hidden, positions, feats,
+                                       chains)
             outs.append(normed)
         return outs
 
@@ -215,6 +220,7 @@ def build_drafter(cfg: DrafterConfig, target_dir: Path) -> Drafter:
     """The training-side drafter of `cfg.paradigm` for the target in `target_dir`."""
     from transformers import AutoConfig
 
+    from kvshot_vllm.models.block import BlockDrafter
     from kvshot_vllm.models.eagle3 import HiddenDrafter
     from kvshot_vllm.models.hybrid import HybridDrafter
     from kvshot_vllm.models.kv_only import KVOnlyDrafter
@@ -222,7 +228,7 @@ def build_drafter(cfg: DrafterConfig, target_dir: Path) -> Drafter:
 
     check_fits_target(cfg, target_spec(target_dir))
     kinds: dict[str, type[Drafter]] = {"hidden": HiddenDrafter, "kv": KVOnlyDrafter,
-                                       "hybrid": HybridDrafter}
+                                       "hybrid": HybridDrafter, "block": BlockDrafter}
     return kinds[cfg.paradigm](cfg, AutoConfig.from_pretrained(target_dir),
                                target_embedding(target_dir))
 

@@ -43,7 +43,9 @@ def expected_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
                                           "lm_head.weight": (cfg.draft_vocab_size, h)}
     if cfg.draft_vocab_size != t.vocab_size:
         shapes["d2t"] = (cfg.draft_vocab_size,)
-    if cfg.paradigm == "kv":
+    if cfg.reads_only_kv:
+        if cfg.paradigm == "block":  # conditioning on the last verified hidden state
+            shapes |= {"fc.weight": (h, len(cfg.aux_layers) * h), "mask_embed": (h,)}
         for i, reads in enumerate(cfg.layer_reads()):
             p = f"kv_layers.{i}"
             shapes |= {f"{p}.input_norm.weight": (h,), f"{p}.post_norm.weight": (h,)}

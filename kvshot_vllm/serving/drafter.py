@@ -151,12 +151,14 @@ class KVShotEagle3LlamaForCausalLM(Eagle3LlamaForCausalLM):
                                                              "rope_type": "default"},
                              dtype=vllm_config.model_config.dtype)
         first_index = target.num_layers + cfg.eagle_layers
-        if cfg.paradigm == "kv":
+        if cfg.reads_only_kv:
             reads = cfg.layer_reads()
             starts = [first_index + sum(len(r) for r in reads[:i]) for i in range(len(reads))]
             self.kv_layers = nn.ModuleList(
                 KVLayer(target, r, start, self.rope, cache_config)
                 for r, start in zip(reads, starts))
+            if cfg.paradigm == "block":
+                self.mask_embed = nn.Parameter(torch.zeros(target.hidden_size))
         else:  # hybrid: the first EAGLE-3 layer gets a cross-attention correction
             self.cross = TargetKVAttention(2 * target.hidden_size, target, cfg.kv_layers,
                                            first_index, self.rope, cache_config)
@@ -181,12 +183,18 @@ class KVShotEagle3LlamaForCausalLM(Eagle3LlamaForCausalLM):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         if inputs_embeds is None:
             inputs_embeds = self.model.embed_input_ids(input_ids)
-        if self.kvshot.paradigm == "kv":
-            x = inputs_embeds
-            for layer in self.kv_layers:
-                x = layer(x, positions)
-            return self.model.norm(x), x
-        return self._hybrid_forward(inputs_embeds, positions, hidden_states)
+        if self.kvshot.paradigm == "hybrid":
+            return self._hybrid_forward(inputs_embeds, positions, hidden_states)
+        x = inputs_embeds
+        if self.kvshot.paradigm == "block":
+            # Block row j of a proposal: the bonus token (j = 0) or the mask, plus the target's
+            # hidden state at the last verified position, which is also what the next row gets.
+            if self._draft_step > 0:
+                x = self.mask_embed.expand_as(x)
+            x = x + hidden_states
+        for layer in self.kv_layers:
+            x = layer(x, positions)
+        return self.model.norm(x), (hidden_states if self.kvshot.paradigm == "block" else x)
 
     def _hybrid_forward(self, embeds: torch.Tensor, positions: torch.Tensor,
                         hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,7 +226,7 @@ class KVShotEagle3LlamaForCausalLM(Eagle3LlamaForCausalLM):
         weights = dict(weights)
         check_drafter_weights(self.kvshot, weights)
         ours = {n: w for n, w in weights.items()
-                if n.split(".")[0] in ("kv_layers", "cross", "merge")}
+                if n.split(".")[0] in ("kv_layers", "cross", "merge", "mask_embed")}
         params = dict(self.named_parameters())
         for name, w in ours.items():
             with torch.no_grad():

@@ -75,10 +75,9 @@ STUDY = {
     "hidden": ({"paradigm": "hidden"}, None),
     "kv-1L": ({"paradigm": "kv", "num_layers": 1}, None),
     "kv-2L": ({"paradigm": "kv", "num_layers": 2}, None),
-    "kv-1L-linear": ({"paradigm": "kv", "num_layers": 1, "kv_projection": "linear",
-                      "reapply_rope": True}, None),
     "hybrid": ({"paradigm": "hybrid"}, None),
     "hybrid-warm": ({"paradigm": "hybrid"}, "hidden"),
+    "block": ({"paradigm": "block"}, None),
 }
 
 

@@ -1,0 +1,41 @@
+"""Block-parallel drafter (H-Spec without its recurrent mixer): KV-only layers over the target's
+cached K/V, conditioned on the target's hidden state at the last verified position only.
+
+A proposal is a block of k rows at positions V .. V+k-1 (V: verified length): row 0 carries the
+bonus token, rows 1.. a learned mask embedding; every row adds fc(aux hidden states of position
+V-1). Row j attends the target's K/V of the prefix and the K/V of block rows 0..j, so no row
+depends on another row's drafted token: the whole block is one causal pass. It keeps no K/V of
+its own across proposals.
+
+Trained block-wise: in `Drafter.chain` every position p is an anchor, and step j is block row j
+of the block anchored at p, all anchors at once.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from kvshot_vllm.models.config import DrafterConfig
+from kvshot_vllm.models.drafter import TargetFeatures
+from kvshot_vllm.models.kv_only import KVOnlyDrafter
+
+
+class BlockDrafter(KVOnlyDrafter):
+    def __init__(self, cfg: DrafterConfig, target_hf_config, embed: torch.Tensor) -> None:
+        super().__init__(cfg, target_hf_config, embed)
+        h = cfg.target.hidden_size
+        self.fc = nn.Linear(len(cfg.aux_layers) * h, h, bias=False)
+        self.mask_embed = nn.Parameter(torch.zeros(h))
+
+    def first_hidden(self, feats: TargetFeatures) -> torch.Tensor:
+        return self.fc(feats.aux_hidden)
+
+    def step_embeds(self, j: int, tokens: torch.Tensor) -> torch.Tensor:
+        if j == 0:
+            return super().step_embeds(j, tokens)
+        return self.mask_embed.expand(*tokens.shape, -1)
+
+    def step(self, embeds, hidden, positions, feats, chains):
+        normed, _ = super().step(embeds + hidden, hidden, positions, feats, chains)
+        return normed, hidden  # every row of the block sees the same conditioning
