@@ -24,6 +24,21 @@ def _add_target(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", help="HF directory of the target (default: the prepared bf16 one)")
 
 
+def _add_drafter_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--paradigm", required=True, choices=["hidden", "kv", "hybrid", "block"],
+                   help="block: block-parallel (all k drafts of a proposal from the last "
+                   "verified hidden state and the target's KV), trained block-wise")
+    p.add_argument("--num-layers", type=int, default=1)
+    p.add_argument("--kv-layers", type=int, nargs="+",
+                   help="target layers whose KV cache is read (default: 3 uniformly spaced)")
+    p.add_argument("--kv-projection", default="head_concat", choices=["head_concat", "linear"],
+                   help="linear: KVShot's projection of the sampled layers' concatenated K/V "
+                   "(trained and diagnosed offline; vLLM cannot serve it in place)")
+    p.add_argument("--reapply-rope", action="store_true",
+                   help="linear: undo RoPE on the cached keys before the projection, redo after")
+    p.add_argument("--gate-init", type=float, help="hybrid: initial gate (default 0.5)")
+
+
 def _group(sub, name: str, help: str):
     return sub.add_parser(name, help=help).add_subparsers(dest="action", required=True,
                                                           metavar="ACTION")
@@ -97,10 +112,10 @@ def cmd_drafter_init(a: argparse.Namespace) -> None:
     from kvshot_vllm.models.weights import init_checkpoint
 
     _, target = _target_arg(a)
-    options = {"paradigm": a.paradigm, "num_layers": a.num_layers,
-               "kv_projection": a.kv_projection, "gate_init": a.gate_init}
-    if a.kv_layers:
-        options["kv_layers"] = a.kv_layers
+    options = {"paradigm": a.paradigm, "num_layers": a.num_layers, "kv_layers": a.kv_layers,
+               "kv_projection": a.kv_projection, "reapply_rope": a.reapply_rope or None,
+               "gate_init": a.gate_init}
+    options = {k: v for k, v in options.items() if v is not None}
     out = init_checkpoint(target, Path(a.out), seed=a.seed, **options)
     print(f"drafter: {out} ({a.paradigm}, untrained)")
 
@@ -267,12 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
         "of training, and a lossless-serving test subject.")
     _add_data_dir(p)
     _add_target(p)
-    p.add_argument("--paradigm", required=True, choices=["hidden", "kv", "hybrid", "block"])
-    p.add_argument("--num-layers", type=int, default=1)
-    p.add_argument("--kv-layers", type=int, nargs="+",
-                   help="target layers whose KV cache is read (default: 3 uniformly spaced)")
-    p.add_argument("--kv-projection", default="head_concat", choices=["head_concat", "linear"])
-    p.add_argument("--gate-init", type=float, default=0.5)
+    _add_drafter_options(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_drafter_init)
@@ -304,20 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
         "killed run. Writes RUN_DIR/checkpoint (config.json + model.safetensors, served by "
         "vLLM), metrics.jsonl and state.pt.")
     training_inputs(p)
-    p.add_argument("--paradigm", required=True, choices=["hidden", "kv", "hybrid", "block"],
-                   help="block: block-parallel, trained block-wise (all k drafts of a proposal "
-                   "from the last verified hidden state and the target's KV)")
+    _add_drafter_options(p)
     p.add_argument("--preset", default="quick", help="quick (minutes, for tests and the demo) "
                    "or full (the study's budget)")
-    p.add_argument("--num-layers", type=int, default=1)
-    p.add_argument("--kv-layers", type=int, nargs="+",
-                   help="target layers whose KV cache is read (default: 3 uniformly spaced)")
-    p.add_argument("--kv-projection", default="head_concat", choices=["head_concat", "linear"],
-                   help="linear: KVShot's projection of the sampled layers' concatenated K/V "
-                   "(trained and diagnosed offline; vLLM cannot serve it in place)")
-    p.add_argument("--reapply-rope", action="store_true",
-                   help="linear: undo RoPE on the cached keys before the projection, redo after")
-    p.add_argument("--gate-init", type=float)
     p.add_argument("--init", help="warm start: a kvshot, EAGLE-3 or speculators checkpoint; "
                    "matching weights are copied, the rest (e.g. a hybrid's cross branch) fresh")
     p.add_argument("--steps", type=int, help="optimizer steps (default: the preset's)")
