@@ -178,3 +178,27 @@ def test_block_rows_see_the_prefix_and_earlier_block_rows_only() -> None:
         assert changed(prefix_target) == [True] * k
         own_hidden = lambda f: f.aux_hidden[:, p].normal_()  # noqa
         assert changed(own_hidden) == [True] * k
+
+
+def test_warm_start_reads_eagle3_checkpoint_names(tmp_path) -> None:
+    """An EAGLE-3 checkpoint (`midlayer.*`, with t2d and embed_tokens) warm-starts a hybrid:
+    its layer, fc, norm and lm_head are copied; the cross branch and gate stay fresh."""
+    from safetensors.torch import save_file
+
+    from kvshot_vllm.training.ttt import warm_start
+
+    source = tiny_drafter("hidden")
+    eagle = {n.replace("layers.0.", "midlayer."): w.clone() + 1.0
+             for n, w in source.state_dict().items() if n not in ("embed", "d2t")}
+    eagle["t2d"] = torch.ones(TINY.vocab_size, dtype=torch.bool)
+    eagle["embed_tokens.weight"] = torch.zeros(TINY.vocab_size, TINY.hidden_size)
+    save_file(eagle, tmp_path / "model.safetensors")
+    hybrid = tiny_drafter("hybrid")
+    gate = hybrid.merge.gate.clone()
+    fresh = warm_start(hybrid, tmp_path)
+    assert fresh == sorted(n for n, _ in hybrid.named_parameters()
+                           if n.startswith(("cross.", "merge.")))
+    torch.testing.assert_close(hybrid.layers[0].self_attn.q_proj.weight,
+                               eagle["midlayer.self_attn.q_proj.weight"])
+    torch.testing.assert_close(hybrid.fc.weight, eagle["fc.weight"])
+    assert torch.equal(hybrid.merge.gate, gate)
