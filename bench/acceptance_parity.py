@@ -57,6 +57,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("checkpoints", nargs="+", metavar="NAME=CHECKPOINT")
     ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--num-prompts", type=int, help="the first N held-out prompts (default all)")
     ap.add_argument("--dataset", help="default: DATA_DIR/datasets/sharegpt-<fp32 target>")
     ap.add_argument("--out", default="bench/results/acceptance_parity")
     a = ap.parse_args()
@@ -66,7 +67,8 @@ def main() -> int:
     features = features_for(data_dir, target, dataset, "heldout", feature_spec(target))
     wanted = set(features.params["ids"])
     records = [json.loads(line) for line in (dataset / "heldout.jsonl").open()]
-    records = [r for r in records if r["id"] in wanted]
+    records = [r for r in records if r["id"] in wanted][: a.num_prompts]
+    features.keep_only({r["id"] for r in records})
 
     rows, lines = {}, [
         f"Command: `python bench/acceptance_parity.py {' '.join(sys.argv[1:])}`", "",

@@ -173,6 +173,7 @@ def _train_cmd(data_dir, target, dataset, out) -> list[str]:
             "--data-dir", str(data_dir), "--out", str(out)]
 
 
+@pytest.mark.slow
 def test_training_resumes_after_kill_with_nothing_lost(data_dir, target_fp32, dataset,
                                                        train_features, tmp_path) -> None:
     """SIGKILL once a checkpoint exists, rerun: the weights equal an uninterrupted run's."""
@@ -199,6 +200,7 @@ def test_training_resumes_after_kill_with_nothing_lost(data_dir, target_fp32, da
     assert steps == sorted(set(steps)) and steps[-1] == 8
 
 
+@pytest.mark.slow
 def test_trained_checkpoints_serve_losslessly(data_dir, target_fp32, dataset, train_features,
                                               tmp_path) -> None:
     """Trained checkpoints with a reduced draft vocabulary (d2t): the hybrid through the plugin,

@@ -150,6 +150,10 @@ class FeatureSet:
         self.kv_layers = list(self.params["kv_layers"])
         self.aux_layers = list(self.params["aux_layers"])
 
+    def keep_only(self, ids: set[str]) -> None:
+        """Restrict the set to the sequences with these data set ids."""
+        self.index = [pos for pos, sid in zip(self.index, self.params["ids"]) if sid in ids]
+
     def __len__(self) -> int:
         return len(self.index)
 
