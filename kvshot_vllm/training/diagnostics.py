@@ -109,6 +109,11 @@ def report_lines(results: dict, command: str) -> list[str]:
             f" | {r['mat']:.3f} | {r['retention']:.1%} | {t.get('steps', '-')} | "
             + (f"{t['train_s'] / 60:.1f} min" if t else "-") + " | "
             + (f"{ratio:.3f}" if ratio is not None else "-") + " |")
+    lines += ["", "Chains counted at each step (a_k rests on this many; few counts mean a_k is "
+              "noise):", "", "| drafter | " + " | ".join(f"n{k}" for k in range(steps)) + " |",
+              "|" + "---|" * (steps + 1)]
+    lines += [f"| {name} | " + " | ".join(str(n) for n in r["alive"]) + " |"
+              for name, r in results.items()]
     gates = {n: r["training"]["gate"] for n, r in results.items()
              if r["training"] and r["training"]["gate"]}
     if gates:
