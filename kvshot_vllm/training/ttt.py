@@ -108,20 +108,16 @@ def ttt_loss(drafter: Drafter, feats: TargetFeatures, labels: torch.Tensor,
 # ----------------------------------------------------------------------------- vocabulary
 
 
-def draft_vocabulary(features: FeatureSet, size: int, vocab_size: int
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def draft_vocabulary(features: FeatureSet, size: int, vocab_size: int) -> torch.Tensor:
     """EAGLE-3's reduced vocabulary: the `size` tokens the target emits most often in the
-    training responses. Returns d2t [size] (draft i -> target i + d2t[i]) and t2d [vocab]
-    (target -> draft id, -1 outside)."""
+    training responses, as d2t [size] (draft i -> target i + d2t[i])."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for i in range(len(features)):
         item = features.item(i)
         counts += torch.bincount(item["labels"][item["prompt_len"] - 1:].long(),
                                  minlength=vocab_size)
     keep = counts.topk(size).indices.sort().values
-    t2d = torch.full((vocab_size,), -1, dtype=torch.long)
-    t2d[keep] = torch.arange(size)
-    return keep - torch.arange(size), t2d
+    return keep - torch.arange(size)
 
 
 # ----------------------------------------------------------------------------- statistics
@@ -245,7 +241,7 @@ class Trainer:
         if cfg.draft_vocab_size == cfg.target.vocab_size:
             weights["lm_head.weight"] = head
         else:
-            d2t, _ = draft_vocabulary(self.features, cfg.draft_vocab_size, cfg.target.vocab_size)
+            d2t = draft_vocabulary(self.features, cfg.draft_vocab_size, cfg.target.vocab_size)
             weights["d2t"] = d2t
             weights["lm_head.weight"] = head[d2t + torch.arange(cfg.draft_vocab_size)]
         return weights
