@@ -30,7 +30,7 @@ def test_defaults_follow_kvshot() -> None:
 @pytest.mark.parametrize("fields, message", [
     ({"paradigm": "kv", "kv_layers": [3, 30]}, "kv_layers [30] out of range for a target with 30 layers"),
     ({"paradigm": "hidden", "kv_layers": [1]}, "reads no target KV"),
-    ({"paradigm": "mystery"}, "paradigm: Input should be 'hidden', 'kv' or 'hybrid'"),
+    ({"paradigm": "mystery"}, "paradigm: Input should be 'hidden', 'kv', 'hybrid' or 'block'"),
     ({"paradigm": "kv", "kv_layer_map": "aligned"}, "one kv_layer per drafter layer"),
     ({"paradigm": "kv", "draft_vocab_size": 60000}, "draft_vocab_size 60000"),
 ])

@@ -208,7 +208,7 @@ BAD_CONFIGS = {
     "layer-out-of-range": (lambda c: c["kvshot"].update(kv_layers=[3, 40]),
                            "kv_layers [40] out of range for a target with 30 layers"),
     "unknown-paradigm": (lambda c: c["kvshot"].update(paradigm="bogus"),
-                         "paradigm: Input should be 'hidden', 'kv' or 'hybrid'"),
+                         "paradigm: Input should be 'hidden', 'kv', 'hybrid' or 'block'"),
 }
 
 
