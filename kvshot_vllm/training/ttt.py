@@ -51,8 +51,8 @@ class TrainConfig(BaseModel):
     seed: int = 0
 
 
-# Sized for the embedded default on 2 CPU cores (a 1-layer EAGLE-3 step of 4 sequences takes
-# about 3 s there): quick runs in about a minute per drafter, full in 6-15 minutes.
+# Sized for the embedded default on 2 CPU cores: quick for the demo and tests, full for the
+# study (its training times are in results/kvshot_study.md).
 PRESETS = {
     "quick": TrainConfig(steps=30, batch_size=2, draft_vocab_size=4096, lr=2e-3, warmup=5,
                          checkpoint_every=10, log_every=5),
