@@ -37,6 +37,17 @@ def _add_drafter_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reapply-rope", action="store_true",
                    help="linear: undo RoPE on the cached keys before the projection, redo after")
     p.add_argument("--gate-init", type=float, help="hybrid: initial gate (default 0.5)")
+    p.add_argument("--ssm-state-size", type=int,
+                   help="block: add H-Spec's recurrent mixer with this state size (default 0: "
+                   "attention only)")
+
+
+def _drafter_options(a: argparse.Namespace) -> dict:
+    """The options of `_add_drafter_options` that were given, as DrafterConfig fields."""
+    options = {"paradigm": a.paradigm, "num_layers": a.num_layers, "kv_layers": a.kv_layers,
+               "kv_projection": a.kv_projection, "reapply_rope": a.reapply_rope or None,
+               "gate_init": a.gate_init, "ssm_state_size": a.ssm_state_size}
+    return {k: v for k, v in options.items() if v is not None}
 
 
 def _group(sub, name: str, help: str):
@@ -112,11 +123,7 @@ def cmd_drafter_init(a: argparse.Namespace) -> None:
     from kvshot_vllm.models.weights import init_checkpoint
 
     _, target = _target_arg(a)
-    options = {"paradigm": a.paradigm, "num_layers": a.num_layers, "kv_layers": a.kv_layers,
-               "kv_projection": a.kv_projection, "reapply_rope": a.reapply_rope or None,
-               "gate_init": a.gate_init}
-    options = {k: v for k, v in options.items() if v is not None}
-    out = init_checkpoint(target, Path(a.out), seed=a.seed, **options)
+    out = init_checkpoint(target, Path(a.out), seed=a.seed, **_drafter_options(a))
     print(f"drafter: {out} ({a.paradigm}, untrained)")
 
 
@@ -152,9 +159,7 @@ def cmd_train(a: argparse.Namespace) -> None:
     name = a.name or f"{a.paradigm}-{a.num_layers}L{linear}-{a.preset}"
     run_dir = Path(a.out) if a.out else data_dir / "runs" / name
     ckpt = train(data_dir, target, dataset, run_dir, cfg, init=Path(a.init) if a.init else None,
-                 paradigm=a.paradigm, num_layers=a.num_layers, kv_layers=a.kv_layers,
-                 kv_projection=a.kv_projection, reapply_rope=a.reapply_rope or None,
-                 gate_init=a.gate_init)
+                 **_drafter_options(a))
     print(f"checkpoint: {ckpt}")
     print(f"serve: vllm serve {target} --speculative-config "
           f"'{{\"method\": \"eagle3\", \"model\": \"{ckpt}\", \"num_speculative_tokens\": 3}}'")

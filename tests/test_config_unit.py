@@ -33,6 +33,7 @@ def test_defaults_follow_kvshot() -> None:
     ({"paradigm": "mystery"}, "paradigm: Input should be 'hidden', 'kv', 'hybrid' or 'block'"),
     ({"paradigm": "kv", "kv_layer_map": "aligned"}, "one kv_layer per drafter layer"),
     ({"paradigm": "kv", "draft_vocab_size": 60000}, "draft_vocab_size 60000"),
+    ({"paradigm": "kv", "ssm_state_size": 8}, "the recurrent mixer belongs to block drafters"),
 ])
 def test_bad_configs_name_the_problem(fields, message) -> None:
     with pytest.raises(KVShotError, match=message.replace("[", r"\[").replace("]", r"\]")):
@@ -46,9 +47,10 @@ def test_target_mismatch_names_each_field() -> None:
                         "num_layers: drafter was trained for 30, target has 32"]
 
 
-@pytest.mark.parametrize("paradigm", ["hidden", "kv", "hybrid"])
-def test_checkpoint_round_trip(paradigm: str, tmp_path: Path) -> None:
-    cfg = validated({"paradigm": paradigm, "target": SMOL, "draft_vocab_size": 8000})
+@pytest.mark.parametrize("paradigm,options", [("hidden", {}), ("kv", {}), ("hybrid", {}),
+                                              ("block", {"ssm_state_size": 4})])
+def test_checkpoint_round_trip(paradigm: str, options: dict, tmp_path: Path) -> None:
+    cfg = validated({"paradigm": paradigm, "target": SMOL, "draft_vocab_size": 8000, **options})
     weights = init_weights(cfg, seed=1)
     out = save_checkpoint(cfg, weights, tmp_path / paradigm)
     raw = json.loads((out / "config.json").read_text())

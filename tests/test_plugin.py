@@ -95,6 +95,8 @@ def drafters(target_fp32: Path, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("drafters")
     paths = {p: init_checkpoint(target_fp32, root / p, paradigm=p)
              for p in ("hidden", "kv", "hybrid", "block")}
+    paths["block-ssm"] = init_checkpoint(target_fp32, root / "block-ssm", paradigm="block",
+                                         ssm_state_size=4)
     paths["oracle"] = build_oracle(target_fp32, root / "oracle")
     return paths
 
@@ -118,12 +120,12 @@ def k3_runs(target_fp32, data_dir, prompts, drafters):
     return run
 
 
-@pytest.mark.parametrize("paradigm", ["hidden", "kv", "hybrid", "block", "oracle"])
+@pytest.mark.parametrize("paradigm", ["hidden", "kv", "hybrid", "block", "block-ssm", "oracle"])
 def test_lossless_k3(paradigm, baseline, k3_runs) -> None:
     tokens, counters, blocks = k3_runs(paradigm)
     assert tokens == baseline[0]
     assert counters["num_drafts"] > 0
-    if paradigm in ("kv", "block"):
+    if paradigm in ("kv", "block", "block-ssm"):
         # In place: the cross layers of KV-only and block drafters own no cache, so vLLM fits
         # exactly as many blocks as without speculation in the same KV cache space, and each
         # reads its target layer's tensor itself (the same storage, not a copy).
@@ -143,7 +145,7 @@ def test_hybrid_cross_layers_add_no_cache(k3_runs) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 7])
-@pytest.mark.parametrize("paradigm", ["hidden", "kv", "hybrid", "block", "oracle"])
+@pytest.mark.parametrize("paradigm", ["hidden", "kv", "hybrid", "block", "block-ssm", "oracle"])
 def test_lossless_k1_k7(paradigm, k, target_fp32, data_dir, prompts, baseline, drafters) -> None:
     extra = {} if paradigm == "hidden" else NON_PADDED
     tokens, counters, _ = generate(target_fp32, data_dir, prompts,

@@ -148,11 +148,13 @@ def test_linear_projection_starts_as_the_mean_of_the_sampled_layers(reapply_rope
     torch.testing.assert_close(mv, v, atol=1e-5, rtol=1e-5)
 
 
-def test_block_rows_see_the_prefix_and_earlier_block_rows_only() -> None:
+@pytest.mark.parametrize("ssm_state_size", [0, 4])
+def test_block_rows_see_the_prefix_and_earlier_block_rows_only(ssm_state_size: int) -> None:
     """Block anchored at p (last verified position): row j sits at p + 1 + j. It sees the
     target's K/V and hidden state up to p, the bonus token p + 1 (through row 0) and block rows
-    0..j; never a token after p + 1 (rows 1.. carry the mask), nor later block rows."""
-    drafter = tiny_drafter("block", num_layers=2)
+    0..j; never a token after p + 1 (rows 1.. carry the mask), nor later block rows. The same
+    with the recurrent mixer, whose state starts from the hidden state at p."""
+    drafter = tiny_drafter("block", num_layers=2, ssm_state_size=ssm_state_size)
     t, k, p = 12, 4, 4
     base = tiny_features(drafter, t)
     with torch.no_grad():

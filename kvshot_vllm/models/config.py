@@ -83,6 +83,9 @@ class DrafterConfig(BaseModel):
     # reads target layer kv_layers[i] only (the oracle: a copy of the target's own layers).
     kv_layer_map: Literal["shared", "aligned"] = "shared"
     reapply_rope: bool = False
+    # Block drafters: H-Spec's recurrent mixer (`layers.SelectiveScan`) after each layer's
+    # attention, with this state size per channel; 0: attention only.
+    ssm_state_size: int = Field(0, ge=0, le=64)
     gate_init: float = 0.5
     draft_vocab_size: int | None = None
     # Test hook: spoil this draft position on every other proposal (see the oracle tests).
@@ -106,6 +109,8 @@ class DrafterConfig(BaseModel):
                 self.paradigm != "kv" or len(self.kv_layers) != self.num_layers):
             raise ValueError("kv_layer_map 'aligned' needs a KV-only drafter with one kv_layer "
                              "per drafter layer")
+        if self.ssm_state_size and self.paradigm != "block":
+            raise ValueError("ssm_state_size: the recurrent mixer belongs to block drafters")
         if self.draft_vocab_size is None:
             self.draft_vocab_size = self.target.vocab_size
         if not 0 < self.draft_vocab_size <= self.target.vocab_size:

@@ -22,7 +22,7 @@ import torch.nn as nn
 from kvshot_vllm.errors import KVShotError
 from kvshot_vllm.models.config import (DrafterConfig, TargetSpec, check_fits_target,
                                        load_drafter_config)
-from kvshot_vllm.models.layers import RMSNorm, draft_attention, rotate
+from kvshot_vllm.models.layers import RMSNorm, SelectiveScan, draft_attention, rotate
 from kvshot_vllm.models.weights import check_drafter_weights, target_spec
 
 
@@ -32,6 +32,20 @@ class ChainKV:
 
     ctx: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # self-attention: step-0 keys
     diag: list[list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)
+
+
+@dataclass
+class ScanState:
+    """The recurrent state one `SelectiveScan` carries down the current draft chain."""
+
+    state: torch.Tensor | None = None
+
+    def advance(self, scan: SelectiveScan, x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        """x, cond [B, T, hidden] -> the scan's residual update for this step's rows."""
+        if self.state is None:
+            self.state = scan.initial_state(cond)
+        y, self.state = scan(x, self.state)
+        return y
 
 
 @dataclass
@@ -156,9 +170,14 @@ class Drafter(nn.Module):
 
     # ------------------------------------------------------------------ per paradigm
 
-    def new_chains(self) -> dict[str, ChainKV]:
-        return {name: ChainKV() for name, m in self.named_modules()
-                if isinstance(m, DraftAttention)}
+    def new_chains(self) -> dict[str, ChainKV | ScanState]:
+        chains: dict[str, ChainKV | ScanState] = {}
+        for name, m in self.named_modules():
+            if isinstance(m, DraftAttention):
+                chains[name] = ChainKV()
+            elif isinstance(m, SelectiveScan):
+                chains[name] = ScanState()
+        return chains
 
     def first_hidden(self, feats: TargetFeatures) -> torch.Tensor | None:
         """The hidden input of draft step 0 (EAGLE-3: fc of the fused aux hidden states)."""
@@ -169,7 +188,7 @@ class Drafter(nn.Module):
         return self.embed[tokens]
 
     def step(self, embeds: torch.Tensor, hidden: torch.Tensor | None, positions: torch.Tensor,
-             feats: TargetFeatures, chains: dict[str, ChainKV]
+             feats: TargetFeatures, chains: dict[str, ChainKV | ScanState]
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft step for all rows: (normed output for lm_head, hidden for the next step)."""
         raise NotImplementedError

@@ -10,7 +10,7 @@ import torch.nn as nn
 from kvshot_vllm.models.config import DrafterConfig
 from kvshot_vllm.models.drafter import (ChainKV, DraftAttention, Drafter, TargetFeatures,
                                         cross_attention)
-from kvshot_vllm.models.layers import RMSNorm, SwiGLU
+from kvshot_vllm.models.layers import RMSNorm, SelectiveScan, SwiGLU
 
 
 def cross_attend(cross: DraftAttention, x: torch.Tensor, positions: torch.Tensor, rope_fn,
@@ -29,6 +29,7 @@ class KVLayer(nn.Module):
         self.cross = cross_attention(h, cfg, num_reads)
         self.post_norm = RMSNorm(h, eps)
         self.mlp = SwiGLU(h, target.intermediate_size)
+        self.ssm = SelectiveScan(h, cfg.ssm_state_size, eps) if cfg.ssm_state_size else None
 
 
 class KVOnlyDrafter(Drafter):
@@ -42,5 +43,7 @@ class KVOnlyDrafter(Drafter):
         for i, (layer, reads) in enumerate(zip(self.kv_layers, self.reads)):
             x = x + cross_attend(layer.cross, layer.input_norm(x), positions, self.rope, feats,
                                  reads, chains[f"kv_layers.{i}.cross"])
+            if layer.ssm is not None:  # block drafters only: `hidden` is their conditioning
+                x = x + chains[f"kv_layers.{i}.ssm"].advance(layer.ssm, x, hidden)
             x = x + layer.mlp(layer.post_norm(x))
         return self.norm(x), x

@@ -84,3 +84,49 @@ def draft_attention(q: torch.Tensor, ctx: tuple[torch.Tensor, torch.Tensor],
     for i, (_, v) in enumerate(diag):
         out = out + probs[..., t + i, None] * v.permute(0, 2, 1, 3).unsqueeze(2)
     return out.permute(0, 3, 1, 2, 4).reshape(b, t, h * d)
+
+
+class SelectiveScan(nn.Module):
+    """H-Spec's recurrent mixer across the rows of a draft block: a diagonal selective state
+    space (Mamba-1's scan, sequential in plain PyTorch) whose initial state is a projection of
+    the conditioning hidden state, so that the state carries the target's summary of the prefix
+    down the block while attention reads the prefix itself.
+
+    The state is [..., hidden, state_size]; `forward` advances it by one row.
+    """
+
+    def __init__(self, hidden: int, state_size: int, eps: float) -> None:
+        super().__init__()
+        self.state_size = state_size
+        self.norm = RMSNorm(hidden, eps)
+        self.in_proj = nn.Linear(hidden, 2 * hidden, bias=False)  # input u, output gate z
+        self.x_proj = nn.Linear(hidden, hidden + 2 * state_size, bias=False)  # step, B, C
+        # Initial values: `weights.init_weights` (every drafter weight is initialised there).
+        self.A_log = nn.Parameter(torch.zeros(hidden, state_size))
+        self.D = nn.Parameter(torch.zeros(hidden))
+        self.init_proj = nn.Linear(hidden, hidden * state_size, bias=False)
+        self.out_proj = nn.Linear(hidden, hidden, bias=False)
+
+    def initial_state(self, cond: torch.Tensor) -> torch.Tensor:
+        """cond [..., hidden] -> state [..., hidden, state_size]."""
+        return self.init_proj(cond).unflatten(-1, (cond.shape[-1], self.state_size))
+
+    def forward(self, x: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One row: x [..., hidden], state -> (residual update [..., hidden], next state)."""
+        h = x.shape[-1]
+        u, z = self.in_proj(self.norm(x)).chunk(2, dim=-1)
+        step, b, c = self.x_proj(u).split([h, self.state_size, self.state_size], dim=-1)
+        step = F.softplus(step).unsqueeze(-1)  # [..., hidden, 1]
+        decay = torch.exp(-step * torch.exp(self.A_log))  # in (0, 1): a stable recurrence
+        state = decay * state + step * u.unsqueeze(-1) * b.unsqueeze(-2)
+        y = (state @ c.unsqueeze(-1)).squeeze(-1) + self.D * u
+        return self.out_proj(y * F.silu(z)), state
+
+    def scan(self, x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        """Every row of a block in order: x [..., rows, hidden], cond [..., hidden] -> the
+        residual updates [..., rows, hidden]."""
+        state, ys = self.initial_state(cond), []
+        for row in x.unbind(-2):
+            y, state = self(row, state)
+            ys.append(y)
+        return torch.stack(ys, dim=-2)

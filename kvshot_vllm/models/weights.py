@@ -22,6 +22,13 @@ def _mlp(prefix: str, h: int, inter: int) -> dict[str, tuple[int, ...]]:
             f"{prefix}.down_proj.weight": (h, inter)}
 
 
+def _ssm(prefix: str, h: int, n: int) -> dict[str, tuple[int, ...]]:
+    return {f"{prefix}.norm.weight": (h,), f"{prefix}.in_proj.weight": (2 * h, h),
+            f"{prefix}.x_proj.weight": (h + 2 * n, h), f"{prefix}.A_log": (h, n),
+            f"{prefix}.D": (h,), f"{prefix}.init_proj.weight": (h * n, h),
+            f"{prefix}.out_proj.weight": (h, h)}
+
+
 def _cross(prefix: str, t: TargetSpec, s: int, in_size: int,
            linear: bool) -> dict[str, tuple[int, ...]]:
     """head_concat: s attentions side by side. linear: the s layers' K/V merged into one K/V by
@@ -51,6 +58,8 @@ def expected_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
             shapes |= {f"{p}.input_norm.weight": (h,), f"{p}.post_norm.weight": (h,)}
             shapes |= _cross(f"{p}.cross", t, len(reads), h, cfg.kv_projection == "linear")
             shapes |= _mlp(f"{p}.mlp", h, t.intermediate_size)
+            if cfg.ssm_state_size:
+                shapes |= _ssm(f"{p}.ssm", h, cfg.ssm_state_size)
         return shapes
     shapes["fc.weight"] = (h, len(cfg.aux_layers) * h)
     for i in range(cfg.num_layers):
@@ -83,6 +92,10 @@ def init_weights(cfg: DrafterConfig, seed: int = 0, std: float = 0.02,
         elif name.endswith("_merge.weight"):  # start as the mean of the sampled layers' K/V
             out_size, in_size = shape
             weights[name] = torch.eye(out_size).repeat(1, in_size // out_size) * out_size / in_size
+        elif name.endswith(".A_log"):  # Mamba's S4D-real init: decay rates 1..N
+            weights[name] = torch.log(torch.arange(1, shape[1] + 1.0)).repeat(shape[0], 1)
+        elif name.endswith(".D"):
+            weights[name] = torch.ones(shape)
         elif name == "d2t":
             weights[name] = torch.zeros(shape, dtype=torch.long)
         else:

@@ -10,6 +10,8 @@ per request per step that is never verified.
 The builder is a subclass of the platform backend's builder (CPU here, FlashAttention on GPUs),
 so scheduling metadata is still computed by the backend itself, for the adjusted lengths. A
 subclass also gives the cross layers their own attention group in the proposer.
+
+For a block drafter, draft pass 0 also gets the metadata of its whole block (`_build_block`).
 """
 
 from __future__ import annotations
@@ -68,7 +70,47 @@ class DraftKVBuilderMixin:
             cad.block_table_tensor[:n], seq_lens, self.kv_cache_spec.block_size,
             self.vllm_config.model_config.max_model_len)
         md.kvshot_write_rows = cad.query_start_loc[1 : n + 1].long() - 1
+        rows = block_rows(self.vllm_config)
+        if draft_index == 0 and rows > 1:
+            md.kvshot_block = self._build_block(cad, rows)
         return md
+
+    def _build_block(self, cad, k: int):
+        """Metadata for a block drafter's whole proposal in draft pass 0 (`block_layout`)."""
+        n = cad.num_reqs
+        starts, lens, slots = block_layout(
+            cad.seq_lens[:n], cad.block_table_tensor[:n], k, self.kv_cache_spec.block_size,
+            self.vllm_config.model_config.max_model_len)
+        block = dataclasses.replace(
+            cad, query_start_loc=starts.to(cad.query_start_loc.device), query_start_loc_cpu=starts,
+            seq_lens=lens, num_actual_tokens=n * k, max_query_len=k,
+            max_seq_len=int(lens.max()) if n else 0, slot_mapping=slots, positions=None,
+            seq_lens_cpu_upper_bound=None if cad.seq_lens_cpu_upper_bound is None
+            else lens.cpu())
+        md = self.build(common_prefix_len=0, common_attn_metadata=block, fast_build=True)
+        md.kvshot_write_slots = slots
+        md.kvshot_write_rows = torch.arange(n * k, device=slots.device)
+        return md
+
+
+def block_layout(seq_lens: torch.Tensor, block_table: torch.Tensor, k: int, block_size: int,
+                 max_model_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """k rows per request in one causal pass, given the step-0 key counts S (`seq_lens`): row j
+    writes its own K/V at the slot of position S - 1 + j and sees keys [0, S + j), i.e. the
+    target's prefix and block rows 0..j. Returns query starts [n + 1] (int32), key counts [n]
+    (the last row's: S + k - 1) and write slots [n * k], rows in request order."""
+    n = seq_lens.shape[0]
+    slots = torch.stack([write_slots(block_table, seq_lens + j, block_size, max_model_len)
+                         for j in range(k)], dim=1).flatten()
+    starts = torch.arange(n + 1, dtype=torch.int32) * k
+    return starts, (seq_lens + k - 1).to(seq_lens.dtype), slots
+
+
+def block_rows(vllm_config) -> int:
+    """Rows per proposal that a block drafter computes in draft pass 0; 0 for other drafters."""
+    spec = vllm_config.speculative_config
+    kvshot = getattr(spec.draft_model_config.hf_config, "kvshot", None) if spec else None
+    return spec.num_speculative_tokens if (kvshot or {}).get("paradigm") == "block" else 0
 
 
 @cache

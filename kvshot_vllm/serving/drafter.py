@@ -21,7 +21,8 @@ vLLM allocates no cache for them and binds their `kv_cache` to the target layer'
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
@@ -35,9 +36,9 @@ from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
 
 from kvshot_vllm.models.config import TargetSpec, load_drafter_config
-from kvshot_vllm.models.layers import GatedDelta, SwiGLU
+from kvshot_vllm.models.layers import GatedDelta, SelectiveScan, SwiGLU
 from kvshot_vllm.models.weights import check_drafter_weights
-from kvshot_vllm.serving.backend import draft_kv_backend, platform_backend
+from kvshot_vllm.serving.backend import block_rows, draft_kv_backend, platform_backend
 from kvshot_vllm.serving.checks import check_against_target
 
 # Under the "vllm." namespace: loggers outside it are silent in vLLM worker processes.
@@ -101,6 +102,22 @@ class TargetKVAttention(nn.Module):
         return self.o_proj(torch.cat(outs, dim=-1))
 
 
+@contextmanager
+def _block_metadata(layer_names: list[str]) -> Iterator[None]:
+    """Inside: these layers attend with their metadata's `kvshot_block` (`backend.py`)."""
+    if not layer_names:
+        yield
+        return
+    mds = get_forward_context().attn_metadata
+    mds = mds[0] if isinstance(mds, list) else mds
+    saved = {name: mds[name] for name in layer_names}
+    mds.update({name: md.kvshot_block for name, md in saved.items()})
+    try:
+        yield
+    finally:
+        mds.update(saved)
+
+
 def _metadata(layer_name: str):
     """This layer's attention metadata in the current forward, None in dummy/profile runs."""
     if not is_forward_context_available():
@@ -115,16 +132,23 @@ class KVLayer(nn.Module):
     MLP."""
 
     def __init__(self, target: TargetSpec, kv_layers: list[int], first_index: int,
-                 rope: nn.Module, cache_config) -> None:
+                 rope: nn.Module, cache_config, ssm_state_size: int = 0) -> None:
         super().__init__()
         h = target.hidden_size
         self.input_norm = RMSNorm(h, eps=target.rms_norm_eps)
         self.cross = TargetKVAttention(h, target, kv_layers, first_index, rope, cache_config)
         self.post_norm = RMSNorm(h, eps=target.rms_norm_eps)
         self.mlp = SwiGLU(h, target.intermediate_size)
+        self.ssm = (SelectiveScan(h, ssm_state_size, target.rms_norm_eps) if ssm_state_size
+                    else None)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor,
+                cond: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, hidden]; a block drafter's recurrent mixer needs T = n * k rows in request
+        order and their conditioning cond [n, hidden]."""
         x = x + self.cross(self.input_norm(x), positions)
+        if self.ssm is not None:
+            x = x + self.ssm.scan(x.view(cond.shape[0], -1, x.shape[-1]), cond).flatten(0, 1)
         return x + self.mlp(self.post_norm(x))
 
 
@@ -155,10 +179,13 @@ class KVShotEagle3LlamaForCausalLM(Eagle3LlamaForCausalLM):
             reads = cfg.layer_reads()
             starts = [first_index + sum(len(r) for r in reads[:i]) for i in range(len(reads))]
             self.kv_layers = nn.ModuleList(
-                KVLayer(target, r, start, self.rope, cache_config)
+                KVLayer(target, r, start, self.rope, cache_config, cfg.ssm_state_size)
                 for r, start in zip(reads, starts))
             if cfg.paradigm == "block":
                 self.mask_embed = nn.Parameter(torch.zeros(target.hidden_size))
+                self.block_rows = block_rows(vllm_config)
+                self._max_len = vllm_config.model_config.max_model_len
+                self._block: torch.Tensor | None = None  # [n, k, hidden] this proposal's rows
         else:  # hybrid: the first EAGLE-3 layer gets a cross-attention correction
             self.cross = TargetKVAttention(2 * target.hidden_size, target, cfg.kv_layers,
                                            first_index, self.rope, cache_config)
@@ -181,20 +208,55 @@ class KVShotEagle3LlamaForCausalLM(Eagle3LlamaForCausalLM):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 hidden_states: torch.Tensor, inputs_embeds: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.kvshot.paradigm == "block" and self._draft_step > 0:
+            return self._block_row(positions.shape[0])
         if inputs_embeds is None:
             inputs_embeds = self.model.embed_input_ids(input_ids)
         if self.kvshot.paradigm == "hybrid":
             return self._hybrid_forward(inputs_embeds, positions, hidden_states)
-        x = inputs_embeds
         if self.kvshot.paradigm == "block":
-            # Block row j of a proposal: the bonus token (j = 0) or the mask, plus the target's
-            # hidden state at the last verified position, which is also what the next row gets.
-            if self._draft_step > 0:
-                x = self.mask_embed.expand_as(x)
-            x = x + hidden_states
+            return self._block_forward(inputs_embeds, positions, hidden_states)
+        x = inputs_embeds
         for layer in self.kv_layers:
             x = layer(x, positions)
-        return self.model.norm(x), (hidden_states if self.kvshot.paradigm == "block" else x)
+        return self.model.norm(x), x
+
+    def _block_forward(self, embeds: torch.Tensor, positions: torch.Tensor,
+                       hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft pass 0 of a block drafter computes the whole proposal: per request, k rows at
+        positions p .. p + k - 1 (p: the last verified position), row 0 carrying the bonus token
+        and rows 1.. the mask, each plus the target's hidden state at p, in one causal pass.
+        Passes 1.. hand its rows out (`_block_row`). vLLM's own one-pass proposers
+        (parallel_drafting, dflash) prepare their inputs with Triton kernels, which vLLM's CPU
+        build lacks, so the block rides on the EAGLE-3 proposer."""
+        md = _metadata(self.kv_layers[0].cross.attn[0].layer_name)
+        # Profile and dummy runs have no metadata: every row is a one-row block there.
+        last = (md.kvshot_write_rows if md is not None
+                else torch.arange(positions.shape[0], device=positions.device))
+        k = self.block_rows if md is not None else 1
+        n, h = last.shape[0], embeds.shape[-1]
+        cond = hidden_states[last]  # [n, hidden]
+        rows = torch.cat([embeds[last].unsqueeze(1), self.mask_embed.expand(n, k - 1, h)], 1)
+        x = (rows + cond.unsqueeze(1)).flatten(0, 1)  # [n * k, hidden]
+        pos = (positions[last].unsqueeze(1) + torch.arange(k, device=positions.device))
+        pos = torch.where(pos < self._max_len, pos, torch.zeros_like(pos)).flatten()
+        with _block_metadata(self._cross_layer_names() if k > 1 else []):
+            for layer in self.kv_layers:
+                x = layer(x, pos, cond)
+        self._block = self.model.norm(x).view(n, k, h)
+        out = x.new_zeros(positions.shape[0], h)
+        out[last] = self._block[:, 0]  # where the proposer samples draft 0
+        return out, out
+
+    def _block_row(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Passes 1..: row `_draft_step` of the block, one per request, in the first rows."""
+        rows = self._block[:, self._draft_step]
+        out = rows.new_zeros(num_tokens, rows.shape[-1])
+        out[: rows.shape[0]] = rows
+        return out, out
+
+    def _cross_layer_names(self) -> list[str]:
+        return [attn.layer_name for layer in self.kv_layers for attn in layer.cross.attn]
 
     def _hybrid_forward(self, embeds: torch.Tensor, positions: torch.Tensor,
                         hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -78,6 +78,7 @@ STUDY = {
     "hybrid": ({"paradigm": "hybrid"}, None),
     "hybrid-warm": ({"paradigm": "hybrid"}, "hidden"),
     "block": ({"paradigm": "block"}, None),
+    "block-ssm": ({"paradigm": "block", "ssm_state_size": 8}, None),
 }
 
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvshot_vllm.errors import KVShotError
-from kvshot_vllm.models.config import DrafterConfig
+from kvshot_vllm.models.config import DrafterConfig, validated
 from kvshot_vllm.models.drafter import Drafter, TargetFeatures, build_drafter
 from kvshot_vllm.models.weights import save_checkpoint
 from kvshot_vllm.training.features import FeatureSet
@@ -207,7 +207,7 @@ class Trainer:
                "features": str(features.path.resolve()), "target": str(Path(target_dir).resolve()),
                "init": str(init) if init else None}
         run_file = self.run_dir / "run.json"
-        if run_file.exists() and json.loads(run_file.read_text()) != run:
+        if run_file.exists() and _stored_run(run_file) != run:
             raise KVShotError(f"{self.run_dir} holds a run with other settings ({run_file}); "
                               f"choose another --out or delete it")
         run_file.write_text(json.dumps(run, indent=2))
@@ -334,3 +334,10 @@ class Trainer:
                 "lr": lr_at(self.step - 1, self.cfg), "grad_rms": grads,
                 "gate": gate_stats(self.drafter),
                 "s_per_step": elapsed / max(1, self.step - first_step)}
+
+
+def _stored_run(run_file: Path) -> dict:
+    """run.json as this version writes it: config fields added since take their defaults."""
+    run = json.loads(run_file.read_text())
+    run["drafter"] = validated(run["drafter"], str(run_file)).model_dump(mode="json")
+    return run
