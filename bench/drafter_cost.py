@@ -1,7 +1,7 @@
 """What a drafter costs inside vLLM, side by side against stock EAGLE-3 with the same k:
 
-- drafting time per draft step (median over proposals, batch of one request), measured around
-  the proposer's `propose()` in the worker process;
+- drafting time per proposal and per draft step (median over proposals, batch of one request),
+  measured around the proposer's `propose()` in the worker process;
 - KV cache bytes per token the drafter adds (KV-reuse cross layers should add zero);
 - the number of max-length sequences vLLM admits in the same KV cache space.
 
@@ -80,7 +80,8 @@ def measure(target: Path, data_dir: Path, drafter: Path | None, k: int, max_toke
     if spec is not None:
         times = llm.collective_rpc(_read_timer)[0][1:]  # the first call warms up
         result["proposals"] = len(times)
-        result["draft_step_ms_median"] = 1e3 * statistics.median(times) / k
+        result["proposal_ms_median"] = 1e3 * statistics.median(times)
+        result["draft_step_ms_median"] = result["proposal_ms_median"] / k
     del llm
     return result
 
@@ -103,10 +104,13 @@ def main() -> None:
     target, _ = prepare_target(data_dir, "bfloat16")
     drafters = {p: init_checkpoint(target, data_dir / "bench-drafters" / p, paradigm=p)
                 for p in ("hidden", "kv", "hybrid", "block")}
+    drafters["block-ssm"] = init_checkpoint(target, data_dir / "bench-drafters" / "block-ssm",
+                                            paradigm="block", ssm_state_size=8)
     runs = {"no speculation": measure(target, data_dir, None, a.k, a.max_tokens,
                                       a.max_model_len)}
     for name, label in (("hidden", "stock EAGLE-3 (hidden-only)"), ("kv", "KV-only, 1 layer"),
-                        ("hybrid", "hybrid"), ("block", "block-parallel, 1 layer")):
+                        ("hybrid", "hybrid"), ("block", "block-parallel, 1 layer"),
+                        ("block-ssm", "block-parallel + recurrent mixer")):
         runs[label] = measure(target, data_dir, drafters[name], a.k, a.max_tokens,
                               a.max_model_len)
         print(label, runs[label], flush=True)
@@ -125,12 +129,14 @@ def main() -> None:
     lines = [f"Drafter cost on {target.name}, k={a.k}, dtype {env['dtype']}, "
              f"{env['kv_cache_gib']} GiB KV cache, max_model_len {a.max_model_len}.",
              f"Regenerate: `{env['command']}`", "",
-             "| configuration | draft step ms (median) | vs stock EAGLE-3 | drafter KV bytes/token "
-             "| KV capacity (tokens) | max concurrent seqs |", "|---|---|---|---|---|---|"]
+             "| configuration | proposal ms (median) | draft step ms | vs stock EAGLE-3 "
+             "| drafter KV bytes/token | KV capacity (tokens) | max concurrent seqs |",
+             "|---|---|---|---|---|---|---|"]
     for name, r in runs.items():
+        prop = f"{r['proposal_ms_median']:.2f}" if "proposal_ms_median" in r else "-"
         step = f"{r['draft_step_ms_median']:.2f}" if "draft_step_ms_median" in r else "-"
         ratio = f"{r['draft_step_vs_stock_eagle3']:.2f}x" if "draft_step_vs_stock_eagle3" in r else "-"
-        lines.append(f"| {name} | {step} | {ratio} | {r['drafter_kv_bytes_per_token']:.0f} | "
+        lines.append(f"| {name} | {prop} | {step} | {ratio} | {r['drafter_kv_bytes_per_token']:.0f} | "
                      f"{r['kv_capacity_tokens']} | {r['max_concurrent_sequences']} |")
     write_results(a.out, {"env": env, "runs": runs}, lines)
 

@@ -110,7 +110,10 @@ def scrape_counters(base_url: str) -> dict[str, float]:
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = urllib.request.urlopen(f"{base_url}/metrics", timeout=10).read().decode()
+    try:
+        text = urllib.request.urlopen(f"{base_url}/metrics", timeout=10).read().decode()
+    except OSError as exc:
+        raise KVShotError(f"cannot read {base_url}/metrics: {exc}") from None
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:

@@ -9,7 +9,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from kvshot_vllm.harness import SweepArgs, load_configs, load_prompts, run_bench
+from kvshot_vllm.harness import SweepArgs, bench_config, load_configs, load_prompts, run_bench
+from kvshot_vllm.server import free_port
 from kvshot_vllm.models.weights import init_checkpoint
 from tests.conftest import assert_one_line_error, run_kvshot
 
@@ -83,6 +84,28 @@ def test_sweep_reports_every_field_and_survives_a_failed_server(
     assert out.with_name("bench-latency-throughput.png").stat().st_size > 10_000
     assert out.with_name("bench-acceptance.png").stat().st_size > 10_000
     assert "| ngram | 2 |" in out.with_suffix(".md").read_text()
+
+
+def test_server_dying_mid_run_is_reported_and_leaves_nothing_behind(
+        target_fp32, data_dir, heldout, tmp_path) -> None:
+    """The API server is killed once the first level has run: the configuration is reported
+    as failed with the server's death, and none of its processes (the engine core included)
+    survives."""
+    port, family = free_port(), []
+
+    def kill_server(message: str) -> None:
+        for proc in _vllm_servers():
+            if str(port) in proc.info["cmdline"] and not family:
+                family.extend([proc, *proc.children(recursive=True)])
+                proc.kill()
+                proc.wait(timeout=30)
+
+    cfg = load_configs(["none"], Path("serving_configs"), 3)["none"]
+    result = bench_config(cfg, target_fp32, data_dir, load_prompts(heldout, 64),
+                          SweepArgs(levels=[1, 2], requests=2, port=port), tmp_path, kill_server)
+    assert len(family) >= 2, "expected the API server and its engine core"
+    assert result["failed"] and "died during the run" in result["failed"]
+    assert not [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
 def test_bad_bench_input_fails_clearly(target_fp32, data_dir, heldout, tmp_path) -> None:
