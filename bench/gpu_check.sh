@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check of the plugin (FlashAttention backend): the lossless, oracle, preemption and
+# GPU check of the plugin (FlashAttention backend): the lossless, oracle, preemption, block and
 # bad-input tests of tests/test_plugin.py, run on one GPU with the `gpu` extra installed.
 # Sized for well under 10 minutes on one GPU (the embedded target is 135M parameters).
 #
@@ -8,4 +8,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python -c "import torch; assert torch.cuda.is_available(), 'no GPU visible'"
 timeout 570 python -m pytest -q -p no:cacheprovider tests/test_plugin.py tests/test_backend_unit.py \
-  -k "lossless or oracle or preemption or bad_drafters or lengths or slots" "$@"
+  -k "lossless or oracle or preemption or bad_drafters or lengths or slots or block" "$@"
