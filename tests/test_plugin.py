@@ -296,8 +296,10 @@ def test_block_proposals_equal_the_training_side_block(ssm_state_size, target_fp
                                                        prompts, tmp_path) -> None:
     """The block vLLM computes in draft pass 0 is the training-side block: for every proposal
     of a batch, the k drafted tokens equal those of `BlockDrafter.chain` on the same sequence
-    and anchor. Weights are random but large enough that attention over the target's K/V and
-    over earlier block rows decides the drafts."""
+    and anchor, where the offline block reads transformers' KV cache and hidden states of that
+    sequence: so what the cross layers read in place from vLLM's paged cache is what
+    transformers computes. Weights are random but large enough that attention over the
+    target's K/V and over earlier block rows decides the drafts."""
     import torch
     from transformers import AutoModelForCausalLM
     from vllm import SamplingParams
