@@ -189,8 +189,12 @@ def cmd_diagnose(a: argparse.Namespace) -> None:
 
 
 def cmd_study(a: argparse.Namespace) -> None:
+    from kvshot_vllm.training.diagnostics import rewrite_report
     from kvshot_vllm.training.pipeline import run_study
 
+    if a.report_only:
+        rewrite_report(Path(a.out))
+        return
     data_dir, target, dataset = _training_inputs(a)
     run_study(data_dir, target, dataset, a.preset, Path(a.out),
               command="kvshot study " + " ".join(sys.argv[2:]), only=a.only)
@@ -347,13 +351,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "study", help="KVShot's comparison: train every paradigm on the same data, diagnose",
-        description="Train hidden-only, KV-only (1 and 2 layers), hybrid from scratch and hybrid "
-        "warm-started from the hidden-only drafter, with one preset, then diagnose them "
-        "together. Resumable: finished runs are reused.")
+        description="Train hidden-only, KV-only (1 and 2 layers), hybrid from scratch, hybrid "
+        "warm-started from the hidden-only drafter, and the block-parallel drafter without and "
+        "with the recurrent mixer, with one preset, then diagnose them together. Resumable: "
+        "finished runs are reused.")
     training_inputs(p)
     p.add_argument("--preset", default="full")
     p.add_argument("--only", nargs="+", help="a subset of the study's drafters")
     p.add_argument("--out", default="results/kvshot_study", help="output path without suffix")
+    p.add_argument("--report-only", action="store_true", help="rewrite OUT.md and OUT.png "
+                   "from OUT.json, without training or diagnosing")
     p.set_defaults(func=cmd_study)
 
     p = sub.add_parser(

@@ -204,3 +204,25 @@ def test_warm_start_reads_eagle3_checkpoint_names(tmp_path) -> None:
                                eagle["midlayer.self_attn.q_proj.weight"])
     torch.testing.assert_close(hybrid.fc.weight, eagle["fc.weight"])
     assert torch.equal(hybrid.merge.gate, gate)
+
+
+def test_report_compares_retention_only_where_chains_suffice(tmp_path) -> None:
+    from kvshot_vllm.training.diagnostics import MIN_CHAINS, report_lines, summarize
+
+    enough, few = MIN_CHAINS, MIN_CHAINS - 1
+    results = {
+        "deep": summarize([50, 40, 30, 20], [100, enough, enough, enough]),
+        "shallow": summarize([50, 10, 5, 0], [100, enough, enough, few]),
+        "dead": summarize([50, 0, 0, 0], [100, enough, enough, 0]),
+    }
+    for r in results.values():
+        r["training"] = None
+    lines = report_lines(results, "cmd")
+    first_table = lines[lines.index("") + 3:][:len(results) + 2]
+    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in first_table}
+    # header: drafter, a0..a3, MAT, retention a3/a0, a2/a0: step 3 lacks chains for two drafters
+    assert rows["drafter"][5:8] == ["MAT", "retention a3/a0", "a2/a0"]
+    assert rows["deep"][6] == f"{(20 / enough) / 0.5:.1%}"
+    assert rows["shallow"][6] == f"n/a (n={few})"
+    assert rows["deep"][7] == f"{(30 / enough) / 0.5:.1%}"
+    assert rows["dead"][4] == "-" and rows["dead"][2] == "0.000"

@@ -7,7 +7,10 @@ Greedy chain drafting of K steps (default 7) from every response position:
     MAT        1 + sum_k prod_{i<=k} a_i: expected tokens per target forward with a chain of K
                (the accepted drafts plus the target's own token), i.e. vLLM's
                accepted / drafts + 1 for k = K.
-    retention  a_{K-1} / a_0.
+    retention  a_{K-1} / a_0. A weak drafter's chains rarely reach step K-1, so reports also
+               compare a_d / a_0 at the deepest step d where every drafter still has
+               MIN_CHAINS chains (`common_depth`): ratios of a_k resting on a handful of
+               chains are noise.
 From the training run beside a checkpoint (run.json, metrics.jsonl): training time, the hybrid's
 gate over training, and gradient RMS of the query against the K/V projections.
 """
@@ -20,9 +23,12 @@ from pathlib import Path
 
 import torch
 
+from kvshot_vllm.errors import KVShotError
 from kvshot_vllm.models.drafter import Drafter, load_drafter
 from kvshot_vllm.training.features import FeatureSet
 from kvshot_vllm.training.ttt import chain_predictions, shifted
+
+MIN_CHAINS = 50  # chains a step needs before its a_k is compared or plotted
 
 
 @torch.no_grad()
@@ -91,22 +97,39 @@ def diagnose(checkpoints: dict[str, Path], target_dir: Path, features: FeatureSe
     return results
 
 
+def common_depth(results: dict) -> int:
+    """The deepest step at which every drafter has at least MIN_CHAINS chains."""
+    alive = [r["alive"] for r in results.values()]
+    depth = 0
+    while depth + 1 < len(alive[0]) and all(n[depth + 1] >= MIN_CHAINS for n in alive):
+        depth += 1
+    return depth
+
+
 def report_lines(results: dict, command: str) -> list[str]:
     steps = len(next(iter(results.values()))["a"])
+    d = common_depth(results)
     head = "| drafter | " + " | ".join(f"a{k}" for k in range(steps)) + \
-        " | MAT | retention | train steps | train time | kv/q grad RMS |"
+        f" | MAT | retention a{steps - 1}/a0 | a{d}/a0 | train steps | train time | " \
+        "kv/q grad RMS |"
     lines = [f"Command: `{command}`", "",
-             "a_k: P(draft k accepted | drafts 0..k-1 accepted), greedy, held-out split. "
-             "MAT = 1 + sum_k prod_{i<=k} a_i (tokens per target forward, the bonus token "
-             f"included; vLLM's accepted/drafts + 1 at k = {steps}). retention = "
-             f"a{steps - 1}/a0.", "", head,
-             "|" + "---|" * (steps + 6)]
+             "a_k: P(draft k accepted | drafts 0..k-1 accepted), greedy, held-out split; - where "
+             "no chain reached step k. MAT = 1 + sum_k prod_{i<=k} a_i (tokens per target "
+             "forward, the bonus token included; vLLM's accepted/drafts + 1 at k = "
+             f"{steps}). Retention a{steps - 1}/a0 is n/a where fewer than {MIN_CHAINS} chains "
+             f"reached step {steps - 1}; a{d}/a0 compares every drafter at the deepest step "
+             f"where each has at least {MIN_CHAINS} chains.", "", head,
+             "|" + "---|" * (steps + 7)]
     for name, r in results.items():
         t = r["training"] or {}
         ratio = t.get("cross_kv_over_q", t.get("self_kv_over_q"))
+        retention = (f"{r['retention']:.1%}" if r["alive"][-1] >= MIN_CHAINS
+                     else f"n/a (n={r['alive'][-1]})")
+        common = f"{r['a'][d] / r['a'][0]:.1%}" if r["a"][0] else "-"
         lines.append(
-            f"| {name} | " + " | ".join(f"{a:.3f}" for a in r["a"]) +
-            f" | {r['mat']:.3f} | {r['retention']:.1%} | {t.get('steps', '-')} | "
+            f"| {name} | " + " | ".join(f"{a:.3f}" if n else "-"
+                                        for a, n in zip(r["a"], r["alive"])) +
+            f" | {r['mat']:.3f} | {retention} | {common} | {t.get('steps', '-')} | "
             + (f"{t['train_s'] / 60:.1f} min" if t else "-") + " | "
             + (f"{ratio:.3f}" if ratio is not None else "-") + " |")
     lines += ["", "Chains counted at each step (a_k rests on this many; few counts mean a_k is "
@@ -144,11 +167,17 @@ def plot(results: dict, out_png: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    top = 0.0
     for name, r in results.items():
-        ax.plot(range(len(r["a"])), r["a"], marker="o", label=f"{name} (MAT {r['mat']:.2f})")
+        measured = [(k, a) for k, (a, n) in enumerate(zip(r["a"], r["alive"])) if n >= MIN_CHAINS]
+        if measured:
+            ax.plot(*zip(*measured), marker="o", label=f"{name} (MAT {r['mat']:.2f})")
+            top = max(top, *(a for _, a in measured))
+    ax.set_title(f"steps with at least {MIN_CHAINS} chains", fontsize=9)
     ax.set_xlabel("draft step k")
     ax.set_ylabel("a_k = P(accept k | 0..k-1 accepted)")
-    ax.set_ylim(0, 1)
+    ax.set_ylim(0, min(1.0, 1.2 * top + 0.05))
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -166,6 +195,15 @@ def write_report(results: dict, out: Path, command: str) -> None:
     plot(results, out.with_suffix(".png"))
     print(f"report: {out.with_suffix('.md')} ({out.with_suffix('.json').name}, "
           f"{out.with_suffix('.png').name})")
+
+
+def rewrite_report(out: Path) -> None:
+    """OUT.md and OUT.png again from OUT.json, e.g. after a change to the report's format."""
+    path = Path(out).with_suffix(".json")
+    if not path.is_file():
+        raise KVShotError(f"no diagnostics at {path}")
+    data = json.loads(path.read_text())
+    write_report(data["drafters"], Path(out), data["command"])
 
 
 @torch.no_grad()
