@@ -220,9 +220,12 @@ def test_report_compares_retention_only_where_chains_suffice(tmp_path) -> None:
     lines = report_lines(results, "cmd")
     first_table = lines[lines.index("") + 3:][:len(results) + 2]
     rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in first_table}
-    # header: drafter, a0..a3, MAT, retention a3/a0, a2/a0: step 3 lacks chains for two drafters
-    assert rows["drafter"][5:8] == ["MAT", "retention a3/a0", "a2/a0"]
-    assert rows["deep"][6] == f"{(20 / enough) / 0.5:.1%}"
-    assert rows["shallow"][6] == f"n/a (n={few})"
-    assert rows["deep"][7] == f"{(30 / enough) / 0.5:.1%}"
+    # header: drafter, a0..a3, MAT, MAT vs deep, retention a3/a0, a2/a0: step 3 lacks chains
+    # for two drafters
+    assert rows["drafter"][5:9] == ["MAT", "MAT vs deep", "retention a3/a0", "a2/a0"]
+    assert rows["deep"][6] == "+0.0%"
+    assert rows["dead"][6] == f"{results['dead']['mat'] / results['deep']['mat'] - 1:+.1%}"
+    assert rows["deep"][7] == f"{(20 / enough) / 0.5:.1%}"
+    assert rows["shallow"][7] == f"n/a (n={few})"
+    assert rows["deep"][8] == f"{(30 / enough) / 0.5:.1%}"
     assert rows["dead"][4] == "-" and rows["dead"][2] == "0.000"

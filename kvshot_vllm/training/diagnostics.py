@@ -109,9 +109,10 @@ def common_depth(results: dict) -> int:
 def report_lines(results: dict, command: str) -> list[str]:
     steps = len(next(iter(results.values()))["a"])
     d = common_depth(results)
+    base_name, base = next(iter(results.items()))
     head = "| drafter | " + " | ".join(f"a{k}" for k in range(steps)) + \
-        f" | MAT | retention a{steps - 1}/a0 | a{d}/a0 | train steps | train time | " \
-        "kv/q grad RMS |"
+        f" | MAT | MAT vs {base_name} | retention a{steps - 1}/a0 | a{d}/a0 | train steps | " \
+        "train time | kv/q grad RMS |"
     lines = [f"Command: `{command}`", "",
              "a_k: P(draft k accepted | drafts 0..k-1 accepted), greedy, held-out split; - where "
              "no chain reached step k. MAT = 1 + sum_k prod_{i<=k} a_i (tokens per target "
@@ -119,7 +120,7 @@ def report_lines(results: dict, command: str) -> list[str]:
              f"{steps}). Retention a{steps - 1}/a0 is n/a where fewer than {MIN_CHAINS} chains "
              f"reached step {steps - 1}; a{d}/a0 compares every drafter at the deepest step "
              f"where each has at least {MIN_CHAINS} chains.", "", head,
-             "|" + "---|" * (steps + 7)]
+             "|" + "---|" * (steps + 8)]
     for name, r in results.items():
         t = r["training"] or {}
         ratio = t.get("cross_kv_over_q", t.get("self_kv_over_q"))
@@ -129,7 +130,7 @@ def report_lines(results: dict, command: str) -> list[str]:
         lines.append(
             f"| {name} | " + " | ".join(f"{a:.3f}" if n else "-"
                                         for a, n in zip(r["a"], r["alive"])) +
-            f" | {r['mat']:.3f} | {retention} | {common} | {t.get('steps', '-')} | "
+            f" | {r['mat']:.3f} | {r['mat'] / base['mat'] - 1:+.1%} | {retention} | {common} | {t.get('steps', '-')} | "
             + (f"{t['train_s'] / 60:.1f} min" if t else "-") + " | "
             + (f"{ratio:.3f}" if ratio is not None else "-") + " |")
     lines += ["", "Chains counted at each step (a_k rests on this many; few counts mean a_k is "
