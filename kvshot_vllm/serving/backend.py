@@ -71,7 +71,7 @@ class DraftKVBuilderMixin:
             self.vllm_config.model_config.max_model_len)
         md.kvshot_write_rows = cad.query_start_loc[1 : n + 1].long() - 1
         rows = block_rows(self.vllm_config)
-        if draft_index == 0 and rows > 1:
+        if draft_index == 0 and rows:
             md.kvshot_block = self._build_block(cad, rows)
         return md
 

@@ -240,7 +240,7 @@ class KVShotEagle3LlamaForCausalLM(Eagle3LlamaForCausalLM):
         x = (rows + cond.unsqueeze(1)).flatten(0, 1)  # [n * k, hidden]
         pos = (positions[last].unsqueeze(1) + torch.arange(k, device=positions.device))
         pos = torch.where(pos < self._max_len, pos, torch.zeros_like(pos)).flatten()
-        with _block_metadata(self._cross_layer_names() if k > 1 else []):
+        with _block_metadata(self._cross_layer_names() if md is not None else []):
             for layer in self.kv_layers:
                 x = layer(x, pos, cond)
         self._block = self.model.norm(x).view(n, k, h)
