@@ -229,3 +229,6 @@ def test_report_compares_retention_only_where_chains_suffice(tmp_path) -> None:
     assert rows["shallow"][7] == f"n/a (n={few})"
     assert rows["deep"][8] == f"{(30 / enough) / 0.5:.1%}"
     assert rows["dead"][4] == "-" and rows["dead"][2] == "0.000"
+    # with no step beyond a0 that every drafter reaches, there is nothing to compare at
+    results["dead"]["alive"][1] = 0
+    assert all("/a0 |" not in line.replace("a3/a0 |", "") for line in report_lines(results, "cmd"))

@@ -108,31 +108,33 @@ def common_depth(results: dict) -> int:
 
 def report_lines(results: dict, command: str) -> list[str]:
     steps = len(next(iter(results.values()))["a"])
-    d = common_depth(results)
+    d = common_depth(results)  # 0: no step beyond a0 to compare at
     base_name, base = next(iter(results.items()))
-    head = "| drafter | " + " | ".join(f"a{k}" for k in range(steps)) + \
-        f" | MAT | MAT vs {base_name} | retention a{steps - 1}/a0 | a{d}/a0 | train steps | " \
-        "train time | kv/q grad RMS |"
+    columns = [f"a{k}" for k in range(steps)] + ["MAT", f"MAT vs {base_name}",
+                                                 f"retention a{steps - 1}/a0"]
+    columns += [f"a{d}/a0"] if d else []
+    columns += ["train steps", "train time", "kv/q grad RMS"]
     lines = [f"Command: `{command}`", "",
              "a_k: P(draft k accepted | drafts 0..k-1 accepted), greedy, held-out split; - where "
              "no chain reached step k. MAT = 1 + sum_k prod_{i<=k} a_i (tokens per target "
              "forward, the bonus token included; vLLM's accepted/drafts + 1 at k = "
              f"{steps}). Retention a{steps - 1}/a0 is n/a where fewer than {MIN_CHAINS} chains "
-             f"reached step {steps - 1}; a{d}/a0 compares every drafter at the deepest step "
-             f"where each has at least {MIN_CHAINS} chains.", "", head,
-             "|" + "---|" * (steps + 8)]
+             f"reached step {steps - 1}" + (f"; a{d}/a0 compares every drafter at the deepest "
+                                            f"step where each has at least {MIN_CHAINS} chains"
+                                            if d else "") + ".", "",
+             "| drafter | " + " | ".join(columns) + " |", "|" + "---|" * (len(columns) + 1)]
     for name, r in results.items():
         t = r["training"] or {}
         ratio = t.get("cross_kv_over_q", t.get("self_kv_over_q"))
-        retention = (f"{r['retention']:.1%}" if r["alive"][-1] >= MIN_CHAINS
-                     else f"n/a (n={r['alive'][-1]})")
-        common = f"{r['a'][d] / r['a'][0]:.1%}" if r["a"][0] else "-"
-        lines.append(
-            f"| {name} | " + " | ".join(f"{a:.3f}" if n else "-"
-                                        for a, n in zip(r["a"], r["alive"])) +
-            f" | {r['mat']:.3f} | {r['mat'] / base['mat'] - 1:+.1%} | {retention} | {common} | {t.get('steps', '-')} | "
-            + (f"{t['train_s'] / 60:.1f} min" if t else "-") + " | "
-            + (f"{ratio:.3f}" if ratio is not None else "-") + " |")
+        cells = [f"{a:.3f}" if n else "-" for a, n in zip(r["a"], r["alive"])]
+        cells += [f"{r['mat']:.3f}", f"{r['mat'] / base['mat'] - 1:+.1%}",
+                  f"{r['retention']:.1%}" if r["alive"][-1] >= MIN_CHAINS
+                  else f"n/a (n={r['alive'][-1]})"]
+        if d:
+            cells.append(f"{r['a'][d] / r['a'][0]:.1%}" if r["a"][0] else "-")
+        cells += [str(t.get("steps", "-")), f"{t['train_s'] / 60:.1f} min" if t else "-",
+                  f"{ratio:.3f}" if ratio is not None else "-"]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", "Chains counted at each step (a_k rests on this many; few counts mean a_k is "
               "noise):", "", "| drafter | " + " | ".join(f"n{k}" for k in range(steps)) + " |",
               "|" + "---|" * (steps + 1)]
