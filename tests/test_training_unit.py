@@ -206,7 +206,7 @@ def test_warm_start_reads_eagle3_checkpoint_names(tmp_path) -> None:
     assert torch.equal(hybrid.merge.gate, gate)
 
 
-def test_report_compares_retention_only_where_chains_suffice(tmp_path) -> None:
+def test_report_compares_retention_only_where_chains_suffice() -> None:
     from kvshot_vllm.training.diagnostics import MIN_CHAINS, report_lines, summarize
 
     enough, few = MIN_CHAINS, MIN_CHAINS - 1
@@ -218,7 +218,8 @@ def test_report_compares_retention_only_where_chains_suffice(tmp_path) -> None:
     for r in results.values():
         r["training"] = None
     lines = report_lines(results, "cmd")
-    first_table = lines[lines.index("") + 3:][:len(results) + 2]
+    head = next(i for i, line in enumerate(lines) if line.startswith("| drafter | a0 |"))
+    first_table = [lines[head], *lines[head + 2:head + 2 + len(results)]]
     rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in first_table}
     # header: drafter, a0..a3, MAT, MAT vs deep, retention a3/a0, a2/a0: step 3 lacks chains
     # for two drafters
