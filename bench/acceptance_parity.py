@@ -18,7 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-from kvshot_vllm.engine import make_llm, spec_decode_counters
+from kvshot_vllm.engine import engine_settings, make_llm, spec_decode_counters
 from kvshot_vllm.models.drafter import load_drafter
 from kvshot_vllm.paths import resolve_data_dir
 from kvshot_vllm.results import write_results
@@ -45,7 +45,7 @@ def vllm_counters(target: Path, data_dir: Path, ckpt: Path, paradigm: str, k: in
             [SamplingParams(temperature=0, ignore_eos=True,
                             max_tokens=len(r["response_token_ids"])) for r in records],
             use_tqdm=False)
-        counters = spec_decode_counters(llm)
+        counters = {**spec_decode_counters(llm), "engine": engine_settings(llm)}
     finally:
         del llm
     differ = sum(list(o.outputs[0].token_ids) != r["response_token_ids"]

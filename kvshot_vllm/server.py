@@ -120,6 +120,12 @@ class VLLMServer:
         except OSError:
             return ""
 
+    def engine_settings(self) -> dict[str, Any]:
+        """The dtype, compile mode and custom ops the server's engine runs with (from its log)."""
+        from kvshot_vllm.engine import logged_engine_settings
+
+        return logged_engine_settings(self.log_path.read_text(errors="replace"))
+
     def root_cause(self) -> str:
         """The first exception message of the log that is not vLLM's generic wrapper."""
         try:
