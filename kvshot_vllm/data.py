@@ -5,9 +5,19 @@ distribution it will be asked to predict. The split is by conversation id (Share
 conversations into parts `<id>_0`, `<id>_1`, ...; all parts land on the same side), so held-out
 prompts never leak into training.
 
-Resumability: the selection is a deterministic function of the arguments; prompts are generated
-in fixed chunks and each chunk is appended and fsynced in one write. A rerun keeps every
-complete chunk, drops a torn one, and continues, so the final file equals an uninterrupted run's.
+Multi-turn: user turn t of a conversation is prompted with the conversation so far, where every
+earlier assistant turn is the target's own regenerated reply (the original replies are never
+used), so that the drafter trains on the contexts it will be served in. Turns are generated in
+rounds: every conversation's turn 1, then every turn 2, ...
+
+Engine settings decide the tokens: bf16 greedy replies differ between kernel paths and CPUs
+(README, "CPU notes"). The settings read back from the engine and the CPU's ISA are recorded
+(`engine.json`, and in the manifest) and a resumed run with other ones is refused.
+
+Resumability: the selection is a deterministic function of the arguments and of the turns
+already answered; prompts are generated in fixed chunks and each chunk is appended and fsynced in
+one write. A rerun keeps every complete chunk, drops a torn one, and continues, so the final file
+equals an uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -16,8 +26,10 @@ import hashlib
 import json
 import os
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -99,24 +111,20 @@ def split_of(conversation_id: str, salt: str = SPLIT_SALT) -> str:
     return "heldout" if bucket < HELDOUT_PERCENT else "train"
 
 
-def to_messages(conversation: list[dict[str, str]], max_turns: int) -> list[dict[str, str]] | None:
-    """The first `max_turns` user turns (original assistant replies in between), ending on a user
-    turn; None if the conversation does not start with a usable user turn."""
+def user_turns(conversation: list[dict[str, str]], max_turns: int) -> list[str]:
+    """The first `max_turns` user turns of a conversation that alternates user and assistant
+    from its start (empty if it does not start with a usable user turn). Only the user turns are
+    kept: every assistant turn of the data is the target's own regenerated reply."""
     role = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant"}
-    messages: list[dict[str, str]] = []
+    turns, expected = [], "user"
     for turn in conversation:
-        r = role.get(turn["from"])
         text = (turn["value"] or "").strip()
-        if r is None or not text:
+        if role.get(turn["from"]) != expected or not text:
             break
-        expected = "user" if len(messages) % 2 == 0 else "assistant"
-        if r != expected:
-            break
-        messages.append({"role": r, "content": text})
-    if messages and messages[-1]["role"] == "assistant":
-        messages.pop()
-    messages = messages[: 2 * max_turns - 1]
-    return messages or None
+        if expected == "user":
+            turns.append(text)
+        expected = "assistant" if expected == "user" else "user"
+    return turns[:max_turns]
 
 
 # ------------------------------------------------------------------------- selection
@@ -131,7 +139,10 @@ class PrepareArgs:
     max_turns: int = 1
     temperature: float = 0.0
     seed: int = 0
-    chunk_size: int = 16
+    chunk_size: int = 64
+    # The engine that regenerates (README, "CPU notes"); None: engine.default_dtype().
+    dtype: str | None = None
+    enforce_eager: bool = False
 
     def validate(self) -> None:
         if self.num_prompts < 1:
@@ -147,35 +158,87 @@ class PrepareArgs:
 
 
 @dataclass
-class Selected:
+class Conversation:
     id: str
+    split: str
+    user_turns: list[str]
+
+
+@dataclass
+class Selected:
+    """One prompt to answer: user turn `turn` of a conversation, after the target's own replies
+    to the turns before it."""
+    conversation: str
+    turn: int
     split: str
     messages: list[dict[str, str]]
     prompt_token_ids: list[int]
 
+    @property
+    def id(self) -> str:
+        return f"{self.conversation}/t{self.turn}"
 
-def select_prompts(
+
+def chat_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):  # transformers >= 5 returns a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def select_conversations(
     source: Path, tokenizer: Any, args: PrepareArgs, stats: SourceStats
-) -> dict[str, list[Selected]]:
-    """The first conversations of each split, in file order, whose prompt fits the budget."""
+) -> dict[str, list[Conversation]]:
+    """The first conversations of each split, in file order, whose first prompt fits the
+    budget."""
     want = {"train": args.num_prompts, "heldout": args.num_heldout}
-    chosen: dict[str, list[Selected]] = {s: [] for s in SPLITS}
+    chosen: dict[str, list[Conversation]] = {s: [] for s in SPLITS}
     for item in iter_sharegpt(source, stats):
         split = split_of(item["id"])
         if len(chosen[split]) >= want[split]:
             if all(len(chosen[s]) >= want[s] for s in SPLITS):
                 break
             continue
-        messages = to_messages(item["conversations"], args.max_turns)
-        if messages is None:
+        turns = user_turns(item["conversations"], args.max_turns)
+        if not turns:
             continue
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if hasattr(ids, "keys"):  # transformers >= 5 returns a BatchEncoding
-            ids = ids["input_ids"]
-        if len(ids) > args.max_prompt_tokens:
+        first = chat_prompt(tokenizer, [{"role": "user", "content": turns[0]}])
+        if len(first) > args.max_prompt_tokens:
             continue
-        chosen[split].append(Selected(item["id"], split, messages, list(ids)))
+        chosen[split].append(Conversation(item["id"], split, turns))
     return chosen
+
+
+def plan_turn(conversations: list[Conversation], turn: int, previous: dict[str, dict[str, Any]],
+              tokenizer: Any, max_prompt_tokens: int) -> list[Selected]:
+    """The prompts of user turn `turn` (from 1): one per conversation that has that turn, whose
+    previous turn was answered (`previous`: conversation id -> its record), and whose prompt,
+    the previous prompt, the target's reply and the new user turn, fits the budget."""
+    plan = []
+    for conv in conversations:
+        if len(conv.user_turns) < turn:
+            continue
+        messages: list[dict[str, str]] = []
+        if turn > 1:
+            before = previous.get(conv.id)
+            if before is None:
+                continue
+            messages = [*before["messages"],
+                        {"role": "assistant", "content": before["response_text"].strip()}]
+        messages.append({"role": "user", "content": conv.user_turns[turn - 1]})
+        ids = chat_prompt(tokenizer, messages)
+        if len(ids) <= max_prompt_tokens:
+            plan.append(Selected(conv.id, turn, conv.split, messages, ids))
+    return plan
+
+
+def first_turn_prompts(source: Path, tokenizer: Any, args: PrepareArgs,
+                       stats: SourceStats) -> dict[str, list[Selected]]:
+    """The first user turn of every selected conversation, per split (for tests and benches
+    that need real prompts without regenerating anything)."""
+    selection = select_conversations(source, tokenizer, args, stats)
+    return {split: plan_turn(convs, 1, {}, tokenizer, args.max_prompt_tokens)
+            for split, convs in selection.items()}
 
 
 # ------------------------------------------------------------------------- resumable IO
@@ -212,6 +275,14 @@ def completed_chunks(records: list[dict[str, Any]], plan: list[list[Selected]]) 
     return done
 
 
+def _keep_only(path: Path, records: list[dict[str, Any]]) -> None:
+    """Make `path` hold exactly `records` (a prefix of what it holds), rewriting it atomically
+    when it holds more: a torn line, a partly written chunk, records past the plan."""
+    size = sum(len(json.dumps(r)) + 1 for r in records)  # json.dumps writes ASCII only
+    if not path.exists() or path.stat().st_size != size:
+        _atomic_write_lines(path, records)
+
+
 def _atomic_write_lines(path: Path, records: list[dict[str, Any]]) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     with tmp.open("w") as f:
@@ -241,13 +312,19 @@ class Regenerator:
 
         # Prefix caching is off so that a response depends only on its chunk, not on what the
         # engine computed before: a resumed run then writes exactly what an uninterrupted one does.
+        overrides = {"dtype": args.dtype} if args.dtype else {}
         self.llm = make_llm(
             model_dir, Path(data_dir), max_model_len=args.max_prompt_tokens + args.max_new_tokens,
-            enable_prefix_caching=False,
+            enable_prefix_caching=False, enforce_eager=args.enforce_eager, **overrides,
         )
         self.params = SamplingParams(
             temperature=args.temperature, max_tokens=args.max_new_tokens, seed=args.seed
         )
+
+    def settings(self) -> dict[str, Any]:
+        from kvshot_vllm.engine import engine_settings
+
+        return engine_settings(self.llm)
 
     def generate(self, prompts: list[list[int]]) -> list[dict[str, Any]]:
         from vllm.inputs import TokensPrompt
@@ -277,6 +354,12 @@ class _RayPool:
         self.actors = [actor.remote(model_dir, data_dir, args) for _ in range(workers)]
         self.ray = ray
 
+    def settings(self) -> dict[str, Any]:
+        first, *others = self.ray.get([a.settings.remote() for a in self.actors])
+        if any(o != first for o in others):
+            raise KVShotError(f"the Ray workers run different engine settings: {[first, *others]}")
+        return first
+
     def map(self, batches: list[list[list[int]]]) -> Iterator[list[dict[str, Any]]]:
         inflight = []
         for i, batch in enumerate(batches):
@@ -285,6 +368,15 @@ class _RayPool:
                 yield self.ray.get(inflight.pop(0))
         for ref in inflight:
             yield self.ray.get(ref)
+
+
+class _SingleEngine:
+    def __init__(self, model_dir: str, data_dir: str, args: PrepareArgs):
+        self.engine = Regenerator(model_dir, data_dir, args)
+        self.settings = self.engine.settings
+
+    def map(self, batches: list[list[list[int]]]) -> Iterator[list[dict[str, Any]]]:
+        return (self.engine.generate(b) for b in batches)
 
 
 @dataclass
@@ -304,6 +396,35 @@ class PrepareReport:
         return self.generated_tokens / self.generation_s if self.generation_s else 0.0
 
 
+def differences(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
+    """'key: old -> new' for every (nested) key whose value differs."""
+    out = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}: {a!r} -> {b!r}")
+    return out
+
+
+def _refuse_other_settings(out_dir: Path, what: str, started: dict[str, Any],
+                           now: dict[str, Any]) -> None:
+    diff = differences(started, now)
+    if diff:
+        raise KVShotError(
+            f"{out_dir} was started with other {what} than this run's ({'; '.join(diff)}): "
+            f"a resumed data set must come from one setting; choose another --out or delete it"
+        )
+
+
+def comparable(settings: dict[str, Any]) -> dict[str, Any]:
+    """The engine settings that decide the tokens: the CPU's model name does not, its ISA does
+    (it picks the kernels)."""
+    cpu = settings.get("cpu") or {}
+    return {**settings, "cpu": {"isa": cpu.get("isa")} if cpu else None}
+
+
 def prepare_data(
     target_dir: Path,
     data_dir: Path,
@@ -312,80 +433,111 @@ def prepare_data(
     workers: int = 1,
     source: Path | None = None,
 ) -> PrepareReport:
+    """Regenerate the target's replies turn by turn: every conversation's turn 1, then every
+    turn 2 whose prompt holds the target's reply to turn 1, and so on. The files hold the turns
+    in that order, in chunks, which is what makes a rerun able to continue (module docstring)."""
     from tqdm import tqdm
     from transformers import AutoTokenizer
+
+    from kvshot_vllm.engine import cpu_info, default_dtype
 
     args.validate()
     if workers < 1:
         raise KVShotError(f"--workers must be at least 1, got {workers}")
     if not (target_dir / "config.json").is_file():
         raise KVShotError(f"no target model at {target_dir}; run `kvshot target prepare` first")
+    if args.dtype is None:
+        args = replace(args, dtype=default_dtype())
     source = Path(source) if source else packaged_sharegpt()
     out_dir.mkdir(parents=True, exist_ok=True)
     params = {**args.__dict__, "split_salt": SPLIT_SALT, "heldout_percent": HELDOUT_PERCENT,
               "source": str(source), "target": str(target_dir)}
-    params_path = out_dir / "params.json"
-    if params_path.exists() and json.loads(params_path.read_text()) != params:
-        raise KVShotError(
-            f"{out_dir} holds data made with other settings ({params_path}); "
-            f"choose another --out or delete it"
-        )
+    params_path, engine_path = out_dir / "params.json", out_dir / "engine.json"
+    if params_path.exists():
+        _refuse_other_settings(out_dir, "settings", json.loads(params_path.read_text()), params)
+    started = json.loads(engine_path.read_text()) if engine_path.exists() else None
+    if started and started.get("cpu"):  # before the engine starts: the CPU is known now
+        _refuse_other_settings(out_dir, "CPU kernels", comparable(started)["cpu"],
+                               {"isa": cpu_info()["isa"]})
     params_path.write_text(json.dumps(params, indent=2))
 
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     stats = SourceStats()
-    selection = select_prompts(source, tokenizer, args, stats)
+    selection = select_conversations(source, tokenizer, args, stats)
     for split in SPLITS:
         want = args.num_prompts if split == "train" else args.num_heldout
         if len(selection[split]) < want:
             raise KVShotError(
-                f"only {len(selection[split])} {split} prompts fit --max-prompt-tokens "
-                f"{args.max_prompt_tokens} in {source} (asked for {want})"
+                f"only {len(selection[split])} {split} conversations have a first prompt within "
+                f"--max-prompt-tokens {args.max_prompt_tokens} in {source} (asked for {want})"
             )
 
     report = PrepareReport(out_dir)
-    todo: list[tuple[Path, list[Selected]]] = []
-    for split in SPLITS:
-        path = out_dir / f"{split}.jsonl"
-        plan = chunks(selection[split], args.chunk_size)
-        records = read_records(path)
-        done = completed_chunks(records, plan)
-        # Keep the complete chunks only: a torn last line or a partly written chunk goes.
-        _atomic_write_lines(path, records[: sum(len(c) for c in plan[:done])])
-        todo += [(path, c) for c in plan[done:]]
-
-    if todo:
-        pending = sum(len(c) for _, c in todo)
-        if workers == 1:
-            engine = Regenerator(str(target_dir), str(data_dir), args)
-            results = (engine.generate([s.prompt_token_ids for s in c]) for _, c in todo)
-        else:
-            pool = _RayPool(workers, str(target_dir), str(data_dir), args)
-            results = pool.map([[s.prompt_token_ids for s in c] for _, c in todo])
-        start = time.perf_counter()
-        with tqdm(total=pending, desc="regenerating responses", unit="prompt") as bar:
-            for (path, chunk), outs in zip(todo, results):
-                records = [
-                    {"id": s.id, "split": s.split, "messages": s.messages,
-                     "prompt_token_ids": s.prompt_token_ids, **o}
-                    for s, o in zip(chunk, outs)
-                ]
-                _append_chunk(path, records)
-                report.generated_prompts += len(chunk)
-                report.generated_tokens += sum(len(o["response_token_ids"]) for o in outs)
-                report.generation_s = time.perf_counter() - start
-                bar.update(len(chunk))
-                bar.set_postfix(tok_s=f"{report.tokens_per_s:.0f}")
+    engine = None
+    bar = tqdm(desc="regenerating responses", unit="prompt")
+    start = time.perf_counter()
+    kept: dict[str, list[dict[str, Any]]] = {s: [] for s in SPLITS}
+    on_disk = {s: read_records(out_dir / f"{s}.jsonl") for s in SPLITS}
+    for turn in range(1, args.max_turns + 1):
+        todo: list[tuple[Path, list[Selected]]] = []
+        for split in SPLITS:
+            path = out_dir / f"{split}.jsonl"
+            previous = {r["conversation"]: r for r in kept[split] if r["turn"] == turn - 1}
+            plan = chunks(plan_turn(selection[split], turn, previous, tokenizer,
+                                    args.max_prompt_tokens), args.chunk_size)
+            have = on_disk[split][len(kept[split]):]
+            done = completed_chunks(have, plan)
+            kept[split] += have[: sum(len(c) for c in plan[:done])]
+            # Keep the complete chunks only: a torn last line or a partly written chunk goes.
+            if len(kept[split]) < len(on_disk[split]) or plan[done:]:
+                _keep_only(path, kept[split])
+                on_disk[split] = list(kept[split])
+            todo += [(path, c) for c in plan[done:]]
+        if not todo:
+            continue
+        if engine is None:
+            pool = _SingleEngine if workers == 1 else partial(_RayPool, workers)
+            engine = pool(str(target_dir), str(data_dir), args)
+            settings = engine.settings()
+            if started:
+                _refuse_other_settings(out_dir, "engine settings", comparable(started),
+                                       comparable(settings))
+            else:
+                engine_path.write_text(json.dumps(settings, indent=2))
+                started = settings
+            start = time.perf_counter()
+        bar.total = (bar.total or 0) + sum(len(c) for _, c in todo)
+        bar.set_description(f"regenerating responses, turn {turn}")
+        for (path, chunk), outs in zip(todo, engine.map([[s.prompt_token_ids for s in c]
+                                                         for _, c in todo])):
+            records = [
+                {"id": s.id, "conversation": s.conversation, "turn": s.turn, "split": s.split,
+                 "messages": s.messages, "prompt_token_ids": s.prompt_token_ids, **o}
+                for s, o in zip(chunk, outs)
+            ]
+            _append_chunk(path, records)
+            kept[chunk[0].split] += records
+            on_disk[chunk[0].split] += records
+            report.generated_prompts += len(chunk)
+            report.generated_tokens += sum(len(o["response_token_ids"]) for o in outs)
+            report.generation_s = time.perf_counter() - start
+            bar.update(len(chunk))
+            bar.set_postfix(tok_s=f"{report.tokens_per_s:.0f}")
+    bar.close()
+    for split in SPLITS:  # and so does anything past the plan, torn or not
+        _keep_only(out_dir / f"{split}.jsonl", kept[split])
 
     manifest = {
         "target": json.loads((target_dir / "kvshot_target.json").read_text())
         if (target_dir / "kvshot_target.json").exists() else {"path": str(target_dir)},
         "target_dir": str(target_dir),
         "params": params,
+        "engine": started,
         "source": {"path": str(source), "conversations_read": stats.conversations,
                    "turns_read": stats.turns, "file_truncated": stats.truncated},
         "splits": {},
-        "last_run": {"workers": workers, "generated_prompts": report.generated_prompts,
+        "last_run": {"workers": workers, "cpu": cpu_info(),
+                     "generated_prompts": report.generated_prompts,
                      "generated_tokens": report.generated_tokens,
                      "generation_s": round(report.generation_s, 3),
                      "prompts_per_min": round(report.prompts_per_min, 2),
@@ -393,10 +545,13 @@ def prepare_data(
     }
     for split in SPLITS:
         path = out_dir / f"{split}.jsonl"
-        records = read_records(path)
+        records = kept[split]
         report.counts[split] = len(records)
+        per_turn = Counter(r["turn"] for r in records)
         manifest["splits"][split] = {
             "file": path.name, "records": len(records), "bytes": path.stat().st_size,
+            "conversations": len(selection[split]),
+            "records_per_turn": {str(t): per_turn[t] for t in sorted(per_turn)},
             "prompt_tokens": sum(len(r["prompt_token_ids"]) for r in records),
             "response_tokens": sum(len(r["response_token_ids"]) for r in records),
         }

@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from kvshot_vllm.data import (PrepareArgs, SourceStats, packaged_sharegpt, read_records,
-                              select_prompts, split_of)
+from kvshot_vllm.data import (PrepareArgs, SourceStats, chat_prompt, comparable, differences,
+                              packaged_sharegpt, read_records, select_conversations, split_of,
+                              user_turns)
 from tests.conftest import KVSHOT, assert_one_line_error, run_kvshot
 
 SMALL = ["--num-prompts", "6", "--num-heldout", "2", "--max-new-tokens", "12",
-         "--chunk-size", "2", "--max-prompt-tokens", "256"]
+         "--chunk-size", "2", "--max-prompt-tokens", "256", "--max-turns", "2"]
 
 
 def test_split_is_deterministic_and_keeps_conversation_parts_together() -> None:
@@ -33,17 +34,41 @@ def test_selection_has_no_overlap_and_fits_budget(target_bf16: Path) -> None:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(target_bf16)
-    args = PrepareArgs(num_prompts=40, num_heldout=10, max_prompt_tokens=200)
+    args = PrepareArgs(num_prompts=40, num_heldout=10, max_prompt_tokens=200, max_turns=3)
     stats = SourceStats()
-    sel = select_prompts(packaged_sharegpt(), tok, args, stats)
-    train = {s.id.rsplit("_", 1)[0] for s in sel["train"]}
-    held = {s.id.rsplit("_", 1)[0] for s in sel["heldout"]}
+    sel = select_conversations(packaged_sharegpt(), tok, args, stats)
+    train = {c.id.rsplit("_", 1)[0] for c in sel["train"]}
+    held = {c.id.rsplit("_", 1)[0] for c in sel["heldout"]}
     assert len(sel["train"]) == 40 and len(sel["heldout"]) == 10
     assert not train & held
-    assert all(len(s.prompt_token_ids) <= 200 for s in sel["train"] + sel["heldout"])
-    assert all(s.messages[0]["role"] == "user" for s in sel["train"])
-    again = select_prompts(packaged_sharegpt(), tok, args, SourceStats())
-    assert [s.id for s in again["train"]] == [s.id for s in sel["train"]]
+    assert all(len(chat_prompt(tok, [{"role": "user", "content": c.user_turns[0]}])) <= 200
+               for c in sel["train"] + sel["heldout"])
+    assert all(1 <= len(c.user_turns) <= 3 for c in sel["train"])
+    assert any(len(c.user_turns) > 1 for c in sel["train"])  # multi-turn conversations exist
+    again = select_conversations(packaged_sharegpt(), tok, args, SourceStats())
+    assert [c.id for c in again["train"]] == [c.id for c in sel["train"]]
+
+
+def test_user_turns_keep_only_an_alternating_start() -> None:
+    conv = [{"from": "human", "value": "a"}, {"from": "gpt", "value": "x"},
+            {"from": "human", "value": " b "}, {"from": "gpt", "value": "y"},
+            {"from": "human", "value": "c"}]
+    assert user_turns(conv, 5) == ["a", "b", "c"]
+    assert user_turns(conv, 2) == ["a", "b"]
+    # a turn out of order or empty ends the conversation where it stands
+    assert user_turns([conv[0], conv[2], conv[1]], 5) == ["a"]
+    assert user_turns([conv[0], {"from": "gpt", "value": " "}, conv[2]], 5) == ["a"]
+    assert user_turns([conv[1], conv[0]], 5) == []
+
+
+def test_settings_differences_name_what_changed() -> None:
+    started = {"dtype": "bfloat16", "enforce_eager": False, "custom_ops": ["none"],
+               "cpu": {"model": "AMD EPYC", "cores": 2, "isa": ["avx2", "avx512f"]}}
+    assert differences(comparable(started), comparable(
+        {**started, "cpu": {**started["cpu"], "model": "another name"}})) == []
+    assert differences(comparable(started), comparable(
+        {**started, "dtype": "float32", "cpu": {**started["cpu"], "isa": ["avx2"]}})) == [
+        "cpu.isa: ['avx2', 'avx512f'] -> ['avx2']", "dtype: 'bfloat16' -> 'float32'"]
 
 
 def test_truncated_sharegpt_is_recovered(tmp_path: Path) -> None:
@@ -88,14 +113,43 @@ def test_resume_after_kill_gives_the_same_file(target_bf16: Path, data_dir: Path
         assert (resumed / f"{split}.jsonl").read_text() == (reference / f"{split}.jsonl").read_text()
     records = read_records(train)
     assert records[: len(partial)] == partial  # nothing already written was redone
-    assert len({r["id"] for r in records}) == len(records) == 6
+    assert len({r["id"] for r in records}) == len(records)
     assert all(r["response_token_ids"] for r in records)
     manifest = json.loads((resumed / "manifest.json").read_text())
-    assert manifest["splits"]["train"]["records"] == 6
-    assert manifest["splits"]["heldout"]["records"] == 2
-    assert manifest["last_run"]["generated_prompts"] == 8 - len(partial)
+    per_turn = manifest["splits"]["train"]["records_per_turn"]
+    assert per_turn["1"] == 6 and 1 <= per_turn.get("2", 0) <= 6, per_turn
+    assert manifest["splits"]["train"]["records"] == len(records)
+    assert manifest["splits"]["heldout"]["conversations"] == 2
+    assert manifest["last_run"]["generated_prompts"] == (
+        len(records) + manifest["splits"]["heldout"]["records"] - len(partial))
     assert manifest["target"]["name"] == "SmolLM2-135M-Instruct"
+    engine = manifest["engine"]
+    assert engine == json.loads((resumed / "engine.json").read_text())
+    assert engine["dtype"] in ("float32", "bfloat16") and engine["enforce_eager"] is False
+    assert engine["custom_ops"] and engine["cpu"]["model"] and engine["cpu"]["isa"]
     assert "tokens/s" in proc.stdout and "prompts/min" in proc.stdout
+
+    # Turn 2 is prompted with turn 1 and the target's own reply to it, never the original one.
+    first = {r["conversation"]: r for r in records if r["turn"] == 1}
+    for r in (r for r in records if r["turn"] == 2):
+        before = first[r["conversation"]]
+        assert r["messages"][:-1] == [*before["messages"], {
+            "role": "assistant", "content": before["response_text"].strip()}]
+        assert r["prompt_token_ids"][: len(before["prompt_token_ids"])] == \
+            before["prompt_token_ids"]
+        assert len(r["prompt_token_ids"]) <= 256
+    held = {r["conversation"].rsplit("_", 1)[0] for r in read_records(resumed / "heldout.jsonl")}
+    assert held and not held & {c.rsplit("_", 1)[0] for c in first}
+
+    # Other settings on the same data set are refused, and the message says which.
+    other = "float32" if engine["dtype"] == "bfloat16" else "bfloat16"
+    assert_one_line_error(run_kvshot("data", "prepare", *common, "--out", str(resumed),
+                                     "--dtype", other),
+                          f"dtype: {engine['dtype']!r} -> {other!r}")
+    (resumed / "engine.json").write_text(json.dumps({**engine, "cpu": {
+        **engine["cpu"], "isa": ["a-cpu-from-elsewhere"]}}))
+    assert_one_line_error(run_kvshot("data", "prepare", *common, "--out", str(resumed)),
+                          "other CPU kernels")
 
 
 def test_num_prompts_zero_is_refused(tmp_path: Path) -> None:

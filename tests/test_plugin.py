@@ -35,12 +35,12 @@ def prompts(target_fp32: Path) -> list[list[int]]:
     """16 chat prompts of varied length (ShareGPT first turns), two sharing a long prefix."""
     from transformers import AutoTokenizer
 
-    from kvshot_vllm.data import PrepareArgs, SourceStats, packaged_sharegpt, select_prompts
+    from kvshot_vllm.data import PrepareArgs, SourceStats, packaged_sharegpt, first_turn_prompts
 
     tok = AutoTokenizer.from_pretrained(target_fp32)
-    sel = select_prompts(packaged_sharegpt(), tok,
-                         PrepareArgs(num_prompts=15, num_heldout=0, max_prompt_tokens=300),
-                         SourceStats())["train"]
+    sel = first_turn_prompts(packaged_sharegpt(), tok,
+                             PrepareArgs(num_prompts=15, num_heldout=0, max_prompt_tokens=300),
+                             SourceStats())["train"]
     ids = sorted((s.prompt_token_ids for s in sel), key=len)
     lengths = [len(p) for p in ids]
     assert lengths[0] < 40 and lengths[-1] > 64, lengths  # short, and longer than a chunk

@@ -31,13 +31,13 @@ def dataset(target_fp32: Path, tmp_path_factory) -> Path:
     """8 ShareGPT prompts (6 train, 2 held out) with greedy responses from the target (HF)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from kvshot_vllm.data import PrepareArgs, SourceStats, packaged_sharegpt, select_prompts
+    from kvshot_vllm.data import PrepareArgs, SourceStats, packaged_sharegpt, first_turn_prompts
 
     tok = AutoTokenizer.from_pretrained(target_fp32)
     model = AutoModelForCausalLM.from_pretrained(target_fp32, dtype=torch.float32)
-    sel = select_prompts(packaged_sharegpt(), tok,
-                         PrepareArgs(num_prompts=6, num_heldout=2, max_prompt_tokens=120),
-                         SourceStats())
+    sel = first_turn_prompts(packaged_sharegpt(), tok,
+                             PrepareArgs(num_prompts=6, num_heldout=2, max_prompt_tokens=120),
+                             SourceStats())
     out = tmp_path_factory.mktemp("dataset")
     for split, items in sel.items():
         with (out / f"{split}.jsonl").open("w") as f:
