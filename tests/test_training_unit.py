@@ -130,9 +130,17 @@ def test_shifted_labels_and_schedule() -> None:
     assert lr_at(0, cfg) == pytest.approx(0.1) and lr_at(9, cfg) == pytest.approx(1.0)
     assert lr_at(55, cfg) == pytest.approx(0.5) and lr_at(99, cfg) < 0.01
     # the same step gives the same batch: a resumed run replays the uninterrupted one
-    assert batch_order(10, cfg, 7) == batch_order(10, cfg, 7)
-    epoch = [i for s in range(2) for i in batch_order(10, TrainConfig(steps=9, batch_size=5), s)]
-    assert sorted(epoch) == list(range(10))
+    lengths = [(7 * i) % 23 for i in range(64)]
+    assert batch_order(lengths, cfg, 7) == batch_order(lengths, cfg, 7)
+    for bucket in (1, 4):
+        small = TrainConfig(steps=9, batch_size=4, bucket=bucket)
+        epoch = [batch_order(lengths, small, s) for s in range(16)]
+        assert sorted(i for b in epoch for i in b) == list(range(64))  # each sequence once
+        assert epoch != [batch_order(lengths, small, s) for s in range(16, 32)]  # reshuffled
+        spread = sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in epoch)
+        if bucket == 1:
+            random_spread = spread
+    assert spread < random_spread / 2  # bucketed batches pad much less
 
 
 @pytest.mark.parametrize("reapply_rope", [True, False])
@@ -233,3 +241,40 @@ def test_report_compares_retention_only_where_chains_suffice() -> None:
     # with no step beyond a0 that every drafter reaches, there is nothing to compare at
     results["dead"]["alive"][1] = 0
     assert all("/a0 |" not in line.replace("a3/a0 |", "") for line in report_lines(results, "cmd"))
+
+
+@pytest.mark.parametrize("paradigm,options", [
+    ("hidden", {}), ("kv", {"num_layers": 2}), ("hybrid", {}), ("block", {}),
+    ("block", {"ssm_state_size": 4}), ("kv", {"kv_projection": "linear"}),
+])
+def test_rows_without_loss_are_skipped_without_changing_the_loss(paradigm, options) -> None:
+    """Training computes only the rows some draft step scores (after the steps that need every
+    row): the loss, its gradient and the accuracies equal those of the whole chain. A bug that
+    cuts one row too many, or reads the wrong rows of a cached step, changes them."""
+    from kvshot_vllm.training.ttt import first_scored_row, ttt_loss
+
+    drafter = tiny_drafter(paradigm, **options).train()
+    t = 24
+    base = tiny_features(drafter, t)
+    feats = TargetFeatures(base.input_ids.repeat(2, 1), base.aux_hidden.repeat(2, 1, 1),
+                           {n: (k.repeat(2, 1, 1, 1), v.repeat(2, 1, 1, 1))
+                            for n, (k, v) in base.target_kv.items()})
+    labels = torch.randint(0, TINY.vocab_size, (2, t), generator=torch.Generator().manual_seed(3))
+    trainable = torch.zeros(2, t, dtype=torch.bool)
+    trainable[0, 14:22], trainable[1, 17:20] = True, True  # two prompts of other lengths
+    assert first_scored_row(trainable, 4) == 10
+    t2d = torch.arange(TINY.vocab_size)
+    results = []
+    for loss_rows_only in (False, True):
+        drafter.zero_grad()
+        cfg = TrainConfig(steps=1, ttt_steps=4, loss_rows_only=loss_rows_only)
+        loss, accs = ttt_loss(drafter, feats, labels, trainable, cfg, t2d)
+        loss.backward()
+        results.append((loss.detach(), accs, [p.grad.clone() for p in drafter.parameters()
+                                               if p.grad is not None]))
+    (loss_all, acc_all, grad_all), (loss_cut, acc_cut, grad_cut) = results
+    torch.testing.assert_close(loss_cut, loss_all)
+    assert acc_cut == acc_all
+    assert len(grad_cut) == len(grad_all)
+    for a, b in zip(grad_cut, grad_all):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

@@ -41,10 +41,11 @@ class ScanState:
     state: torch.Tensor | None = None
 
     def advance(self, scan: SelectiveScan, x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
-        """x, cond [B, T, hidden] -> the scan's residual update for this step's rows."""
+        """x, cond [B, R, hidden] -> the scan's residual update for this step's rows (the last R
+        of the rows the state was started with, `Drafter.chain`)."""
         if self.state is None:
             self.state = scan.initial_state(cond)
-        y, self.state = scan(x, self.state)
+        y, self.state = scan(x, self.state[:, -x.shape[1]:])
         return y
 
 
@@ -157,6 +158,10 @@ class Drafter(nn.Module):
     """Shared parts: the target's (frozen) embedding and RoPE, final norm, lm_head over the draft
     vocabulary, d2t. Subclasses define `step`."""
 
+    # Whether draft step 0 needs every row, whatever the loss: a self-attention drafter's later
+    # steps attend the step-0 keys of the whole prefix.
+    first_step_needs_all_rows = False
+
     def __init__(self, cfg: DrafterConfig, target_hf_config, embed: torch.Tensor) -> None:
         super().__init__()
         t = cfg.target
@@ -195,20 +200,25 @@ class Drafter(nn.Module):
 
     # ------------------------------------------------------------------ shared
 
-    def chain(self, feats: TargetFeatures, steps: int) -> list[torch.Tensor]:
-        """Normed outputs [B, T, hidden] of `steps` draft steps; at step j row p drafts token
-        p + 2 + j, given tokens up to p + 1 + j (rows past the end carry padding)."""
+    def chain(self, feats: TargetFeatures, steps: int, first_row: int = 0) -> list[torch.Tensor]:
+        """Normed outputs [B, R, hidden] of `steps` draft steps, for the last R rows; at step j
+        row p drafts token p + 2 + j, given tokens up to p + 1 + j (rows past the end carry
+        padding). Rows before `first_row` are not computed (R = T - first_row), but for the
+        steps that need them (`first_step_needs_all_rows`): training skips rows without loss."""
         ids = feats.input_ids
         b, t = ids.shape
         hidden = self.first_hidden(feats)
         chains = self.new_chains()
         outs = []
         for j in range(steps):
+            start = 0 if j == 0 and self.first_step_needs_all_rows else first_row
             tokens = torch.zeros_like(ids)
             tokens[:, : max(t - 1 - j, 0)] = ids[:, 1 + j:]
             positions = torch.arange(j, t + j, device=ids.device).expand(b, t)
-            normed, hidden = self.step(self.step_embeds(j, tokens), hidden, positions, feats,
-                                       chains)
+            if hidden is not None:
+                hidden = hidden[:, start - t:]
+            normed, hidden = self.step(self.step_embeds(j, tokens[:, start:]), hidden,
+                                       positions[:, start:], feats, chains)
             outs.append(normed)
         return outs
 

@@ -42,6 +42,7 @@ class EagleLayer(nn.Module):
 
 
 class HiddenDrafter(Drafter):
+    first_step_needs_all_rows = True
     def __init__(self, cfg: DrafterConfig, target_hf_config, embed: torch.Tensor) -> None:
         super().__init__(cfg, target_hf_config, embed)
         h = cfg.target.hidden_size

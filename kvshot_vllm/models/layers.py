@@ -67,23 +67,28 @@ def draft_attention(q: torch.Tensor, ctx: tuple[torch.Tensor, torch.Tensor],
     K/V it produced at earlier draft steps). That is exactly what a draft row at step j sees in
     vLLM: the verified prefix, then the tokens drafted after it.
 
-    q: [B, T, H, d]; ctx k, v: [B, KVH, T, d]; diag: list of (k, v) each [B, T, KVH, d].
-    Returns [B, T, H * d].
+    The rows may be the last R of the T context positions (training drops the rows before the
+    first one with a loss, `Drafter.chain`): row i is then position T - R + i. Diag entries
+    computed for more rows are cut to the same last R.
+
+    q: [B, R, H, d]; ctx k, v: [B, KVH, T, d]; diag: list of (k, v) each [B, >= R, KVH, d].
+    Returns [B, R, H * d].
     """
-    b, t, h, d = q.shape
+    b, r, h, d = q.shape
     ctx_k, ctx_v = ctx
-    kvh = ctx_k.shape[1]
-    qg = q.view(b, t, kvh, h // kvh, d).permute(0, 2, 3, 1, 4)  # [B, KVH, G, T, d]
+    kvh, t = ctx_k.shape[1], ctx_k.shape[2]
+    diag = [(k[:, -r:], v[:, -r:]) for k, v in diag]
+    qg = q.view(b, r, kvh, h // kvh, d).permute(0, 2, 3, 1, 4)  # [B, KVH, G, R, d]
     scale = d**-0.5
-    scores = torch.einsum("bkgtd,bksd->bkgts", qg, ctx_k) * scale  # [B, KVH, G, T, T]
-    future = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
+    scores = torch.einsum("bkgrd,bksd->bkgrs", qg, ctx_k) * scale  # [B, KVH, G, R, T]
+    future = torch.ones(r, t, dtype=torch.bool, device=q.device).triu(t - r + 1)
     scores = scores.masked_fill(future, float("-inf"))
-    own = [torch.einsum("bkgtd,btkd->bkgt", qg, k).unsqueeze(-1) * scale for k, _ in diag]
+    own = [torch.einsum("bkgrd,brkd->bkgr", qg, k).unsqueeze(-1) * scale for k, _ in diag]
     probs = torch.softmax(torch.cat([scores, *own], dim=-1).float(), dim=-1).to(q.dtype)
-    out = torch.einsum("bkgts,bksd->bkgtd", probs[..., :t], ctx_v)
+    out = torch.einsum("bkgrs,bksd->bkgrd", probs[..., :t], ctx_v)
     for i, (_, v) in enumerate(diag):
         out = out + probs[..., t + i, None] * v.permute(0, 2, 1, 3).unsqueeze(2)
-    return out.permute(0, 3, 1, 2, 4).reshape(b, t, h * d)
+    return out.permute(0, 3, 1, 2, 4).reshape(b, r, h * d)
 
 
 class SelectiveScan(nn.Module):

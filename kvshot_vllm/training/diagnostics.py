@@ -51,10 +51,11 @@ def stepwise_acceptance(drafter: Drafter, features: FeatureSet, steps: int = 7,
                 chain_predictions(drafter, feats, labels, trainable, steps)):
             if j > 0:  # draft j-1 accepted = the target's greedy token is the next input
                 chain_ok &= shifted(ids, 1 + j) == shifted(labels, j)
-            counted = mask & chain_ok
+            rows = slice(chain_ok.shape[1] - mask.shape[1], None)  # the rows the chain computed
+            counted = mask & chain_ok[:, rows]
             alive[j] += int(counted.sum())
             accepted[j] += int((counted & hit).sum())
-            chain_ok &= hit
+            chain_ok[:, rows] &= hit
     return summarize(accepted.tolist(), alive.tolist())
 
 
@@ -225,7 +226,8 @@ def simulated_vllm_counters(drafter: Drafter, features: FeatureSet, k: int,
         known = torch.zeros_like(trainable)
         for r, i in enumerate(idx):
             known[r, : features.length(i)] = True
-        hits = [hit for _, _, hit, _ in chain_predictions(drafter, feats, labels, known, k)]
+        hits = [hit for _, _, hit, _ in chain_predictions(drafter, feats, labels, known, k,
+                                                          all_rows=True)]
         for r, i in enumerate(idx):
             prompt_len, length = features.item(i)["prompt_len"], features.length(i)
             p = prompt_len - 1

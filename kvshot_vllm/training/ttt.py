@@ -46,6 +46,11 @@ class TrainConfig(BaseModel):
     clip: float = Field(0.5, gt=0)
     draft_vocab_size: int | None = Field(8192, description="None: the target's vocabulary")
     autocast: bool | None = Field(None, description="bf16 autocast; None: where native")
+    bucket: int = Field(32, ge=1, description="batches per length bucket (`batch_order`); "
+                        "1: batches of random lengths")
+    loss_rows_only: bool = Field(True, description="compute the chain only for the rows a "
+                                 "draft step scores (`first_scored_row`); False: every row, "
+                                 "for comparison (bench/train_speed.py)")
     checkpoint_every: int = Field(50, ge=1)
     log_every: int = Field(10, ge=1)
     seed: int = 0
@@ -72,14 +77,25 @@ def shifted(x: torch.Tensor, by: int, fill=0) -> torch.Tensor:
     return out
 
 
+def first_scored_row(trainable: torch.Tensor, steps: int) -> int:
+    """The first row any of `steps` draft steps scores: row p of step j is scored by the label
+    at p + 1 + j, so rows before (first trainable position) - steps never are. On multi-turn
+    data most rows are prompt, and this is most of the chain's work."""
+    scored = trainable.any(0).nonzero()
+    return max(0, int(scored[0]) - steps) if len(scored) else 0
+
+
 def chain_predictions(drafter: Drafter, feats: TargetFeatures, labels: torch.Tensor,
-                      trainable: torch.Tensor, steps: int):
+                      trainable: torch.Tensor, steps: int, all_rows: bool = False):
     """Per draft step j: (logits over the draft vocabulary of the scored rows, their target
-    labels, hit [B, T]: the draft equals the target's greedy token, scored-row mask [B, T])."""
+    labels, hit [B, R]: the draft equals the target's greedy token, scored-row mask [B, R]),
+    for the last R rows that the chain computes (all of them with `all_rows`)."""
     out = []
-    for j, normed in enumerate(drafter.chain(feats, steps)):
-        mask = shifted(trainable, 1 + j, False)
-        target = shifted(labels, 1 + j)[mask]
+    first_row = 0 if all_rows else first_scored_row(trainable, steps)
+    for j, normed in enumerate(drafter.chain(feats, steps, first_row)):
+        r = normed.shape[1]
+        mask = shifted(trainable, 1 + j, False)[:, -r:]
+        target = shifted(labels, 1 + j)[:, -r:][mask]
         logits = drafter.lm_head(normed[mask])
         hit = torch.zeros_like(mask)
         hit[mask] = drafter.target_ids(logits.argmax(-1)) == target
@@ -94,7 +110,8 @@ def ttt_loss(drafter: Drafter, feats: TargetFeatures, labels: torch.Tensor,
     the draft vocabulary (t2d = -1) leave the loss but count as misses, as in vLLM."""
     total, weights, accs = 0.0, 0.0, []
     for j, (logits, target, hit, mask) in enumerate(
-            chain_predictions(drafter, feats, labels, trainable, cfg.ttt_steps)):
+            chain_predictions(drafter, feats, labels, trainable, cfg.ttt_steps,
+                              all_rows=not cfg.loss_rows_only)):
         draft_label = t2d[target]
         keep = draft_label >= 0
         if keep.any():
@@ -158,13 +175,22 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
-def batch_order(n: int, cfg: TrainConfig, step: int) -> list[int]:
-    """The sequences of optimizer step `step`: a seeded permutation per epoch, so that a resumed
-    run sees exactly the batches an uninterrupted one would."""
-    per_epoch = max(1, n // cfg.batch_size)
+def batch_order(lengths: list[int], cfg: TrainConfig, step: int) -> list[int]:
+    """The sequences of optimizer step `step`, a pure function of the step, so that a resumed
+    run sees exactly the batches an uninterrupted one would: a seeded permutation per epoch, cut
+    into groups of `cfg.bucket` batches; within a group the sequences are sorted by length
+    before they are cut into batches (a batch pads to its longest), and the batches of the
+    epoch are shuffled again."""
+    n, size = len(lengths), cfg.batch_size
+    per_epoch = max(1, n // size)
     epoch, k = divmod(step, per_epoch)
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed * 100003 + epoch))
-    return perm[k * cfg.batch_size:(k + 1) * cfg.batch_size].tolist()
+    g = torch.Generator().manual_seed(cfg.seed * 100003 + epoch)
+    perm = torch.randperm(n, generator=g).tolist()
+    group = cfg.bucket * size
+    order = [i for s in range(0, n, group)
+             for i in sorted(perm[s:s + group], key=lambda i: lengths[i])]
+    batches = [order[b * size:(b + 1) * size] for b in range(per_epoch)]
+    return batches[int(torch.randperm(per_epoch, generator=g)[k])]
 
 
 def warm_start(drafter: Drafter, checkpoint: Path) -> list[str]:
@@ -287,6 +313,7 @@ class Trainer:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
         window: list[tuple[float, list[float], dict[str, float]]] = []
         start, first_step = time.perf_counter(), self.step
+        lengths = [self.features.length(i) for i in range(len(self.features))]
         bar = tqdm(total=cfg.steps, initial=self.step, desc=f"train {self.drafter.cfg.paradigm}",
                    unit="step", disable=not progress)
         try:
@@ -294,7 +321,7 @@ class Trainer:
                 for group in self.opt.param_groups:
                     group["lr"] = lr_at(self.step, cfg)
                 feats, labels, trainable = self.features.batch(
-                    batch_order(len(self.features), cfg, self.step), self.drafter.cfg.kv_layers,
+                    batch_order(lengths, cfg, self.step), self.drafter.cfg.kv_layers,
                     self.drafter.cfg.uses_aux_hidden)
                 with torch.autocast(device_type, dtype=torch.bfloat16, enabled=self.autocast()):
                     loss, accs = ttt_loss(self.drafter, feats, labels, trainable, cfg, self.t2d)
