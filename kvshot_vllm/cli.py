@@ -155,7 +155,8 @@ def cmd_train(a: argparse.Namespace) -> None:
 
     data_dir, target, dataset = _training_inputs(a)
     cfg = train_config(a.preset, steps=a.steps, batch_size=a.batch_size, lr=a.lr,
-                       draft_vocab_size=a.draft_vocab_size, checkpoint_every=a.checkpoint_every)
+                       draft_vocab_size=a.draft_vocab_size, checkpoint_every=a.checkpoint_every,
+                       snapshot_every=a.snapshot_every)
     linear = "-linear" if a.kv_projection == "linear" else ""
     name = a.name or f"{a.paradigm}-{a.num_layers}L{linear}-{a.preset}"
     run_dir = Path(a.out) if a.out else data_dir / "runs" / name
@@ -187,6 +188,27 @@ def cmd_diagnose(a: argparse.Namespace) -> None:
     features = features_for(data_dir, target, dataset, "heldout", feature_spec(target))
     results = diagnose(ckpts, target, features, steps=a.steps)
     write_report(results, Path(a.out), "kvshot diagnose " + " ".join(sys.argv[2:]))
+
+
+def cmd_curve(a: argparse.Namespace) -> None:
+    import json
+
+    from kvshot_vllm.paths import resolve_data_dir
+    from kvshot_vllm.training.curve import learning_curve, write_curve
+    from kvshot_vllm.training.pipeline import feature_spec, features_for
+
+    run_dir = Path(a.run_dir)
+    if not (run_dir / "run.json").is_file():
+        raise KVShotError(f"no training run at {run_dir} (run.json missing)")
+    run = json.loads((run_dir / "run.json").read_text())
+    target = Path(run["target"])
+    dataset = Path(json.loads((Path(run["features"]) / "params.json").read_text())["dataset"])
+    heldout = features_for(resolve_data_dir(a.data_dir), target, dataset, "heldout",
+                           feature_spec(target))
+    rows = learning_curve(run_dir, target, heldout, steps=a.steps)
+    out = Path(a.out) if a.out else run_dir / "curve"
+    write_curve(rows, out, "kvshot curve " + " ".join(sys.argv[2:]))
+    print(f"curve: {out.with_suffix('.md')} ({len(rows)} snapshots)")
 
 
 def cmd_study(a: argparse.Namespace) -> None:
@@ -344,9 +366,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-vocab-size", type=int)
     p.add_argument("--checkpoint-every", type=int, help="steps between checkpoints (state.pt "
                    "and the servable checkpoint; default: the preset's)")
+    p.add_argument("--snapshot-every", type=int, help="also keep the servable checkpoint every "
+                   "N steps under RUN_DIR/snapshots (the points of `kvshot curve`)")
     p.add_argument("--name", help="run name (default: PARADIGM-NL-PRESET)")
     p.add_argument("--out", help="run directory (default: DATA_DIR/runs/NAME)")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser(
+        "curve", help="the learning curve of a run: held-out acceptance against tokens trained",
+        description="Diagnose every snapshot of a training run (trained with --snapshot-every) "
+        "on the held-out split of its data set: a_k and MAT against the tokens each snapshot "
+        "was trained on. Writes OUT.json, OUT.md and OUT.png.")
+    _add_data_dir(p)
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--steps", type=int, default=7, help="draft chain length (default 7)")
+    p.add_argument("--out", help="output path without suffix (default: RUN_DIR/curve)")
+    p.set_defaults(func=cmd_curve)
 
     p = sub.add_parser(
         "diagnose", help="step-wise acceptance a0..a6, MAT, retention, gate and gradient stats",

@@ -9,6 +9,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from kvshot_vllm.engine import default_dtype
 from kvshot_vllm.harness import SweepArgs, bench_config, load_configs, load_prompts, run_bench
 from kvshot_vllm.server import free_port
 from kvshot_vllm.models.weights import init_checkpoint
@@ -63,6 +64,8 @@ def test_sweep_reports_every_field_and_survives_a_failed_server(
         r = data["configurations"][name]
         assert r["failed"] is None and r["startup_s"] > 0
         assert set(r["levels"]) == {"1", "2"}
+        # what the server resolved, read back from its log: the machine's explicit dtype
+        assert r["engine"]["dtype"] == default_dtype() and r["engine"]["custom_ops"], r["engine"]
         for row in r["levels"].values():
             assert row["errors"] == 0 and row["output_tok_s"] > 0 and row["req_s"] > 0
             for key in ("ttft_ms", "tpot_ms", "itl_ms"):
@@ -83,7 +86,9 @@ def test_sweep_reports_every_field_and_survives_a_failed_server(
         "serve_command"][1] == "serve"
     assert out.with_name("bench-latency-throughput.png").stat().st_size > 10_000
     assert out.with_name("bench-acceptance.png").stat().st_size > 10_000
-    assert "| ngram | 2 |" in out.with_suffix(".md").read_text()
+    report = out.with_suffix(".md").read_text()
+    assert "| ngram | 2 |" in report and "Engine settings read back" in report
+    assert report.rstrip().splitlines()[-1].startswith("Machine: ")
 
 
 def test_server_dying_mid_run_is_reported_and_leaves_nothing_behind(

@@ -85,9 +85,11 @@ def test_oracle_is_accepted_offline(data_dir, target_fp32, dataset, tmp_path) ->
     assert min(result["a"]) >= 0.97, result
 
 
-def _trainer(run_dir, target, features, paradigm, steps=12, **options) -> Trainer:
+def _trainer(run_dir, target, features, paradigm, steps=12, snapshot_every=None,
+             **options) -> Trainer:
     cfg = TrainConfig(steps=steps, batch_size=2, lr=3e-3, warmup=2, draft_vocab_size=2048,
-                      checkpoint_every=4, log_every=2, ttt_steps=4)
+                      checkpoint_every=4, log_every=2, ttt_steps=4,
+                      snapshot_every=snapshot_every)
     dcfg = drafter_config(target, cfg, paradigm=paradigm, **options)
     return Trainer(run_dir, dcfg, cfg, target, features)
 
@@ -111,6 +113,39 @@ def test_training_reduces_loss(paradigm, target_fp32, train_features, tmp_path) 
     log = [json.loads(line) for line in (tmp_path / paradigm / "metrics.jsonl").open()]
     assert [r["step"] for r in log] == [2, 4, 6, 8, 10, 12]
     assert log[-1]["grad_rms"]["cross.kv" if paradigm == "kv" else "self.kv"] > 0
+
+
+def test_learning_curve_of_snapshots(data_dir, target_fp32, dataset, train_features,
+                                     tmp_path) -> None:
+    """Snapshots every 4 steps of a 12-step run over 6 sequences in batches of 2 (4 epochs):
+    the curve has their rows, counts the tokens trained so far, and its last point is the
+    run's final checkpoint."""
+    from kvshot_vllm.training.curve import learning_curve
+
+    run_dir = tmp_path / "curve-run"
+    ckpt = _trainer(run_dir, target_fp32, train_features, "kv", snapshot_every=4).train(
+        progress=False)
+    heldout = features_for(data_dir, target_fp32, dataset, "heldout", feature_spec(target_fp32))
+    rows = learning_curve(run_dir, target_fp32, heldout, steps=4, progress=False)
+    assert [r["step"] for r in rows] == [4, 8, 12]
+    n = len(train_features)
+    per_epoch = sum(train_features.length(i) - train_features.prompt_length(i) for i in range(n))
+    assert rows[-1]["loss_tokens"] == 4 * per_epoch and rows[-1]["epochs"] == pytest.approx(4)
+    assert rows[0]["tokens"] < rows[1]["tokens"] < rows[2]["tokens"]
+    final = load_file(ckpt / "model.safetensors")
+    last = load_file(Path(rows[-1]["checkpoint"]) / "model.safetensors")
+    assert final.keys() == last.keys() and all(torch.equal(final[k], last[k]) for k in final)
+    direct = stepwise_acceptance(load_drafter(ckpt, target_fp32).eval(), heldout, 4,
+                                 progress=False)
+    assert rows[-1]["a"] == direct["a"] and rows[-1]["alive"] == direct["alive"]
+    assert all(r["alive"][0] > 0 and 1.0 <= r["mat"] <= 5.0 for r in rows)
+
+    proc = run_kvshot("curve", str(run_dir), "--data-dir", str(data_dir), "--steps", "4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = (run_dir / "curve.md").read_text()
+    assert sum(line.startswith("| ") and line[2].isdigit() for line in report.splitlines()) == 3
+    assert (run_dir / "curve.png").stat().st_size > 10_000
+    assert_one_line_error(run_kvshot("curve", str(tmp_path)), "no training run at")
 
 
 def test_hybrid_checkpoint_round_trips_and_warm_starts(target_fp32, train_features,

@@ -128,12 +128,34 @@ def extract_features(target_dir: Path, dataset_dir: Path, split: str, out_root: 
     return out
 
 
-class FeatureSet:
-    """The cached features of one split, loaded into memory, indexed by sequence."""
+class _Shard:
+    """One shard file, read lazily: its offsets and prompt lengths are small and kept, every
+    other tensor is sliced out of the memory-mapped file on demand. A training set's features
+    are tens of GB at scale (bytes per token in the extraction manifest), more than the
+    machine's memory, and the page cache keeps what is read often."""
 
     def __init__(self, path: Path) -> None:
-        from safetensors.torch import load_file
+        from safetensors import safe_open
 
+        self.path = path
+        with safe_open(str(path), framework="pt") as f:
+            self.offsets = f.get_tensor("offsets")
+            self.prompt_len = f.get_tensor("prompt_len")
+            self.names = [n for n in f.keys() if n not in ("offsets", "prompt_len")]
+        self._file = None
+
+    def rows(self, a: int, b: int) -> dict[str, torch.Tensor]:
+        from safetensors import safe_open
+
+        if self._file is None:
+            self._file = safe_open(str(self.path), framework="pt")
+        return {name: self._file.get_slice(name)[a:b] for name in self.names}
+
+
+class FeatureSet:
+    """The cached features of one split, indexed by sequence, read from disk as batches ask."""
+
+    def __init__(self, path: Path) -> None:
         self.path = Path(path)
         params_path = self.path / "params.json"
         if not params_path.is_file():
@@ -144,9 +166,9 @@ class FeatureSet:
         if len(files) != expected:
             raise KVShotError(f"{self.path} has {len(files)} of {expected} shards; rerun the "
                               f"extraction to finish it")
-        self.shards = [load_file(f) for f in files]
+        self.shards = [_Shard(f) for f in files]
         self.index = [(s, j) for s, shard in enumerate(self.shards)
-                      for j in range(len(shard["prompt_len"]))]
+                      for j in range(len(shard.prompt_len))]
         self.kv_layers = list(self.params["kv_layers"])
         self.aux_layers = list(self.params["aux_layers"])
 
@@ -159,12 +181,16 @@ class FeatureSet:
 
     @property
     def num_tokens(self) -> int:
-        return sum(int(s["offsets"][-1]) for s in self.shards)
+        return sum(int(s.offsets[-1]) for s in self.shards)
 
     def length(self, i: int) -> int:
         s, j = self.index[i]
-        off = self.shards[s]["offsets"]
+        off = self.shards[s].offsets
         return int(off[j + 1] - off[j])
+
+    def prompt_length(self, i: int) -> int:
+        s, j = self.index[i]
+        return int(self.shards[s].prompt_len[j])
 
     def check_layers(self, aux_layers: list[int], kv_layers: list[int], uses_aux: bool) -> None:
         missing = sorted(set(kv_layers) - set(self.kv_layers))
@@ -178,11 +204,9 @@ class FeatureSet:
     def item(self, i: int) -> dict[str, torch.Tensor | int]:
         s, j = self.index[i]
         shard = self.shards[s]
-        a, b = int(shard["offsets"][j]), int(shard["offsets"][j + 1])
-        item: dict[str, torch.Tensor | int] = {
-            name: t[a:b] for name, t in shard.items()
-            if name not in ("offsets", "prompt_len")}
-        item["prompt_len"] = int(shard["prompt_len"][j])
+        item: dict[str, torch.Tensor | int] = shard.rows(int(shard.offsets[j]),
+                                                          int(shard.offsets[j + 1]))
+        item["prompt_len"] = int(shard.prompt_len[j])
         return item
 
     def batch(self, indices: list[int], kv_layers: list[int], uses_aux: bool

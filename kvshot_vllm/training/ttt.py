@@ -12,6 +12,8 @@ A run directory holds:
     metrics.jsonl   one line per log interval: loss and accuracy per draft step, learning rate,
                     gradient norms of the query and K/V projections, the hybrid's gate
     checkpoint/     config.json + model.safetensors that vLLM loads, refreshed with state.pt
+    snapshots/      with `snapshot_every`: step-N/, the checkpoint after N steps, the points
+                    of the learning curve (`training.curve`)
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ class TrainConfig(BaseModel):
                                  "draft step scores (`first_scored_row`); False: every row, "
                                  "for comparison (bench/train_speed.py)")
     checkpoint_every: int = Field(50, ge=1)
+    snapshot_every: int | None = Field(None, ge=1, description="also keep the servable "
+                                       "checkpoint every N steps, with the tokens trained so "
+                                       "far, under snapshots/ (`kvshot curve`)")
     log_every: int = Field(10, ge=1)
     seed: int = 0
 
@@ -193,6 +198,16 @@ def batch_order(lengths: list[int], cfg: TrainConfig, step: int) -> list[int]:
     return batches[int(torch.randperm(per_epoch, generator=g)[k])]
 
 
+def trained_tokens(lengths: list[int], prompt_lens: list[int], cfg: TrainConfig,
+                   steps: int) -> dict[str, int]:
+    """Tokens of the sequences that steps 0..steps-1 train on, and of their scored (response)
+    positions: a function of the schedule alone, so a resumed run counts what an uninterrupted
+    one does."""
+    seqs = [i for s in range(steps) for i in batch_order(lengths, cfg, s)]
+    return {"tokens": sum(lengths[i] for i in seqs),
+            "loss_tokens": sum(lengths[i] - prompt_lens[i] for i in seqs)}
+
+
 def warm_start(drafter: Drafter, checkpoint: Path) -> list[str]:
     """Copy every tensor of `checkpoint` whose name and shape match (EAGLE-3 / speculators
     names, `midlayer.` read as `layers.0.`); returns the names left fresh."""
@@ -290,6 +305,12 @@ class Trainer:
                         self.run_dir / "checkpoint")
         tmp.rename(self.state_file)
 
+    def snapshot(self) -> None:
+        """snapshots/step-N: the servable checkpoint now (what it was trained on follows from
+        the step, `trained_tokens`)."""
+        save_checkpoint(self.drafter.cfg, self.drafter.checkpoint_weights(),
+                        self.run_dir / "snapshots" / f"step-{self.step:06d}")
+
     def _drop_metrics_after(self, step: int) -> None:
         """A killed run logged steps it is about to redo: keep the log as one clean run's."""
         path = self.run_dir / "metrics.jsonl"
@@ -340,6 +361,9 @@ class Trainer:
                     window = []
                 if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps:
                     self.save()
+                if cfg.snapshot_every and (self.step % cfg.snapshot_every == 0
+                                           or self.step == cfg.steps):
+                    self.snapshot()
         except KeyboardInterrupt:
             self.save()
             raise

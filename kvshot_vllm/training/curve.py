@@ -1,0 +1,100 @@
+"""The learning curve of a training run: held-out step-wise acceptance of its snapshots against
+the tokens each was trained on. Whether the curve still rises at the end says whether more data
+or steps would still help.
+
+    kvshot curve RUN_DIR [--out PATH]    (the run trained with snapshot_every)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from kvshot_vllm.errors import KVShotError
+from kvshot_vllm.training.diagnostics import stepwise_acceptance
+from kvshot_vllm.training.features import FeatureSet
+from kvshot_vllm.training.ttt import TrainConfig, trained_tokens
+
+
+def snapshots(run_dir: Path) -> list[tuple[int, Path]]:
+    """(step, checkpoint) of every complete snapshot of a run, in step order."""
+    found = sorted((int(p.name.removeprefix("step-")), p)
+                   for p in (Path(run_dir) / "snapshots").glob("step-*")
+                   if (p / "model.safetensors").is_file() and (p / "config.json").is_file())
+    if not found:
+        raise KVShotError(f"{run_dir} has no snapshots; train it with --snapshot-every N")
+    return found
+
+
+def learning_curve(run_dir: Path, target_dir: Path, heldout: FeatureSet,
+                   steps: int = 7, progress: bool = True) -> list[dict]:
+    """One row per snapshot: its step, the tokens it was trained on, a_k and MAT."""
+    from kvshot_vllm.models.drafter import load_drafter
+
+    run_dir = Path(run_dir)
+    run = json.loads((run_dir / "run.json").read_text())
+    cfg = TrainConfig.model_validate(run["train"])
+    train = FeatureSet(Path(run["features"]))
+    lengths = [train.length(i) for i in range(len(train))]
+    prompt_lens = [train.prompt_length(i) for i in range(len(train))]
+    rows = []
+    for step, ckpt in snapshots(run_dir):
+        drafter = load_drafter(ckpt, target_dir).eval()
+        rows.append({"step": step, "checkpoint": str(ckpt),
+                     "epochs": step * cfg.batch_size / len(train),
+                     **trained_tokens(lengths, prompt_lens, cfg, step),
+                     **stepwise_acceptance(drafter, heldout, steps, progress=progress)})
+    return rows
+
+
+def report_lines(rows: list[dict], command: str) -> list[str]:
+    lines = [f"Command: `{command}`", "",
+             "Held-out step-wise acceptance of the run's snapshots (a_k, MAT as in `kvshot "
+             "diagnose`); tokens: every token of the sequences trained on so far, loss tokens: "
+             "their response positions.", "",
+             "| step | epochs | tokens | loss tokens | a0 | a1 | a2 | MAT | n0 |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        a = [f"{x:.3f}" if n else "-" for x, n in zip(r["a"], r["alive"])]
+        lines.append(f"| {r['step']} | {r['epochs']:.2f} | {r['tokens']} | {r['loss_tokens']} | "
+                     f"{' | '.join(a[:3])} | {r['mat']:.3f} | {r['alive'][0]} |")
+    if len(rows) >= 2:
+        last, before = rows[-1], rows[-2]
+        gain = (last["mat"] - before["mat"]) / max(1, last["loss_tokens"] - before["loss_tokens"])
+        lines += ["", f"Last interval: MAT {before['mat']:.3f} -> {last['mat']:.3f} over "
+                  f"{last['loss_tokens'] - before['loss_tokens']} more loss tokens "
+                  f"({1e6 * gain:+.3f} MAT per million)."]
+    return lines
+
+
+def plot(rows: list[dict], out_png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    tokens = [r["loss_tokens"] for r in rows]
+    ax.plot(tokens, [r["mat"] for r in rows], marker="o", label="MAT (7-step chain)")
+    ax.set_xlabel("loss tokens trained")
+    ax.set_ylabel("MAT")
+    ax.grid(alpha=0.3)
+    a0 = ax.twinx()
+    a0.plot(tokens, [r["a"][0] for r in rows], marker="s", color="tab:orange", label="a0")
+    a0.set_ylabel("a0")
+    a0.set_ylim(0, 1)
+    handles = ax.get_legend_handles_labels()[0] + a0.get_legend_handles_labels()[0]
+    ax.legend(handles, [h.get_label() for h in handles], fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=120)
+    plt.close(fig)
+
+
+def write_curve(rows: list[dict], out: Path, command: str) -> None:
+    """OUT.json, OUT.md (the table) and OUT.png (MAT and a0 against training tokens)."""
+    from kvshot_vllm.results import write_results
+
+    out = Path(out)
+    write_results(out, {"command": command, "snapshots": rows}, report_lines(rows, command)
+                  + ["", f"![learning curve]({out.with_suffix('.png').name})"])
+    plot(rows, out.with_suffix(".png"))
