@@ -38,6 +38,7 @@ SETTINGS = {  # name -> TrainConfig overrides
     "fp32, every row, random batches": dict(autocast=False, loss_rows_only=False, bucket=1),
     "bf16, every row, random batches": dict(autocast=True, loss_rows_only=False, bucket=1),
     "bf16, loss rows, random batches": dict(autocast=True, loss_rows_only=True, bucket=1),
+    "bf16, every row, length buckets": dict(autocast=True, loss_rows_only=False, bucket=32),
     "bf16, loss rows, length buckets": dict(autocast=True, loss_rows_only=True, bucket=32),
 }
 BASELINE = "bf16, every row, random batches"  # today's default where bf16 is native
