@@ -22,13 +22,14 @@ test-slow: setup
 
 # The training set at scale (issue 12): 5,000 training and 200 held-out ShareGPT conversations,
 # up to 3 user turns each, every earlier reply the target's own. Hours on 2 cores; resumable:
-# rerun the same command after a kill. `nice` leaves the machine usable beside it.
+# rerun the same command after a kill. `nice` leaves the machine usable beside it. Compiled:
+# 1.4x eager in bf16, at the price that a resumed run is not bit-equal to an uninterrupted one.
 SCALE_TARGET = $(KVSHOT_DATA_DIR)/targets/SmolLM2-135M-Instruct-float32
 data-scale: setup
 	$(VENV)/bin/kvshot target prepare --dtype float32 --no-check
 	nice -n 10 $(VENV)/bin/kvshot data prepare --target $(SCALE_TARGET) --num-prompts 5000 \
 	  --num-heldout 200 --max-turns 3 --max-prompt-tokens 768 --max-new-tokens 256 \
-	  --chunk-size 128 --out $(KVSHOT_DATA_DIR)/datasets/sharegpt-5k-3turns
+	  --chunk-size 128 --compiled --out $(KVSHOT_DATA_DIR)/datasets/sharegpt-5k-3turns
 
 clean-data:
 	rm -rf data

@@ -140,9 +140,10 @@ class PrepareArgs:
     temperature: float = 0.0
     seed: int = 0
     chunk_size: int = 64
-    # The engine that regenerates (README, "CPU notes"); None: engine.default_dtype().
+    # The engine that regenerates (README, "CPU notes"); None: engine.default_dtype(). Eager by
+    # default: a compiled engine spends minutes compiling at every start on 2 cores.
     dtype: str | None = None
-    enforce_eager: bool = False
+    enforce_eager: bool = True
 
     def validate(self) -> None:
         if self.num_prompts < 1:
