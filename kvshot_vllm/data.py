@@ -312,7 +312,8 @@ class Regenerator:
         from kvshot_vllm.engine import make_llm
 
         # Prefix caching is off so that a response depends only on its chunk, not on what the
-        # engine computed before: a resumed run then writes exactly what an uninterrupted one does.
+        # engine computed before: a resumed fp32 run then writes exactly what an uninterrupted
+        # one does (bf16 engines do not repeat themselves on every CPU: README, CPU notes).
         overrides = {"dtype": args.dtype} if args.dtype else {}
         self.llm = make_llm(
             model_dir, Path(data_dir), max_model_len=args.max_prompt_tokens + args.max_new_tokens,
@@ -326,6 +327,9 @@ class Regenerator:
         from kvshot_vllm.engine import engine_settings
 
         return engine_settings(self.llm)
+
+    def map(self, batches: list[list[list[int]]]) -> Iterator[list[dict[str, Any]]]:
+        return (self.generate(b) for b in batches)
 
     def generate(self, prompts: list[list[int]]) -> list[dict[str, Any]]:
         from vllm.inputs import TokensPrompt
@@ -369,15 +373,6 @@ class _RayPool:
                 yield self.ray.get(inflight.pop(0))
         for ref in inflight:
             yield self.ray.get(ref)
-
-
-class _SingleEngine:
-    def __init__(self, model_dir: str, data_dir: str, args: PrepareArgs):
-        self.engine = Regenerator(model_dir, data_dir, args)
-        self.settings = self.engine.settings
-
-    def map(self, batches: list[list[list[int]]]) -> Iterator[list[dict[str, Any]]]:
-        return (self.engine.generate(b) for b in batches)
 
 
 @dataclass
@@ -497,7 +492,7 @@ def prepare_data(
         if not todo:
             continue
         if engine is None:
-            pool = _SingleEngine if workers == 1 else partial(_RayPool, workers)
+            pool = Regenerator if workers == 1 else partial(_RayPool, workers)
             engine = pool(str(target_dir), str(data_dir), args)
             settings = engine.settings()
             if started:

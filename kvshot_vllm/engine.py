@@ -88,7 +88,8 @@ def make_llm(model: str | Path, data_dir: Path | None = None, **overrides: Any):
 
 def engine_settings(llm) -> dict[str, Any]:
     """What an engine actually runs with, read back from it: the resolved dtype, compiled or
-    eager, vLLM's custom ops, and the CPU. Two engines that agree here compute the same tokens."""
+    eager, vLLM's custom ops, and the CPU. Engines that differ here compute different bf16
+    tokens (and in bf16 even engines that agree may: README, CPU notes)."""
     vc = llm.llm_engine.vllm_config
     return {"dtype": str(vc.model_config.dtype).removeprefix("torch."),
             "enforce_eager": bool(vc.model_config.enforce_eager),

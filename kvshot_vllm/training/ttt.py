@@ -55,8 +55,8 @@ class TrainConfig(BaseModel):
                                  "for comparison (bench/train_speed.py)")
     checkpoint_every: int = Field(50, ge=1)
     snapshot_every: int | None = Field(None, ge=1, description="also keep the servable "
-                                       "checkpoint every N steps, with the tokens trained so "
-                                       "far, under snapshots/ (`kvshot curve`)")
+                                       "checkpoint every N steps under snapshots/ "
+                                       "(`kvshot curve`)")
     log_every: int = Field(10, ge=1)
     seed: int = 0
 
@@ -180,22 +180,26 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
-def batch_order(lengths: list[int], cfg: TrainConfig, step: int) -> list[int]:
-    """The sequences of optimizer step `step`, a pure function of the step, so that a resumed
-    run sees exactly the batches an uninterrupted one would: a seeded permutation per epoch, cut
-    into groups of `cfg.bucket` batches; within a group the sequences are sorted by length
-    before they are cut into batches (a batch pads to its longest), and the batches of the
-    epoch are shuffled again."""
+def epoch_batches(lengths: list[int], cfg: TrainConfig, epoch: int) -> list[list[int]]:
+    """The batches of one epoch, in training order: a seeded permutation cut into groups of
+    `cfg.bucket` batches; within a group the sequences are sorted by length before they are cut
+    into batches (a batch pads to its longest), and the epoch's batches are shuffled again."""
     n, size = len(lengths), cfg.batch_size
     per_epoch = max(1, n // size)
-    epoch, k = divmod(step, per_epoch)
     g = torch.Generator().manual_seed(cfg.seed * 100003 + epoch)
     perm = torch.randperm(n, generator=g).tolist()
     group = cfg.bucket * size
     order = [i for s in range(0, n, group)
              for i in sorted(perm[s:s + group], key=lambda i: lengths[i])]
     batches = [order[b * size:(b + 1) * size] for b in range(per_epoch)]
-    return batches[int(torch.randperm(per_epoch, generator=g)[k])]
+    return [batches[b] for b in torch.randperm(per_epoch, generator=g).tolist()]
+
+
+def batch_order(lengths: list[int], cfg: TrainConfig, step: int) -> list[int]:
+    """The sequences of optimizer step `step`, a pure function of the step, so that a resumed
+    run sees exactly the batches an uninterrupted one would (`epoch_batches`)."""
+    epoch, k = divmod(step, max(1, len(lengths) // cfg.batch_size))
+    return epoch_batches(lengths, cfg, epoch)[k]
 
 
 def trained_tokens(lengths: list[int], prompt_lens: list[int], cfg: TrainConfig,
@@ -203,7 +207,10 @@ def trained_tokens(lengths: list[int], prompt_lens: list[int], cfg: TrainConfig,
     """Tokens of the sequences that steps 0..steps-1 train on, and of their scored (response)
     positions: a function of the schedule alone, so a resumed run counts what an uninterrupted
     one does."""
-    seqs = [i for s in range(steps) for i in batch_order(lengths, cfg, s)]
+    per_epoch = max(1, len(lengths) // cfg.batch_size)
+    seqs = [i for epoch in range(-(-steps // per_epoch))
+            for b in epoch_batches(lengths, cfg, epoch)[: steps - epoch * per_epoch]
+            for i in b]
     return {"tokens": sum(lengths[i] for i in seqs),
             "loss_tokens": sum(lengths[i] - prompt_lens[i] for i in seqs)}
 
