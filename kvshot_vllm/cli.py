@@ -7,6 +7,7 @@ anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -152,6 +153,7 @@ def _training_inputs(a: argparse.Namespace) -> tuple[Path, Path, Path]:
 
 def cmd_train(a: argparse.Namespace) -> None:
     from kvshot_vllm.training.pipeline import train, train_config
+    from kvshot_vllm.training.ship import COMMAND_FILE
 
     data_dir, target, dataset = _training_inputs(a)
     cfg = train_config(a.preset, steps=a.steps, batch_size=a.batch_size, lr=a.lr,
@@ -160,8 +162,10 @@ def cmd_train(a: argparse.Namespace) -> None:
     linear = "-linear" if a.kv_projection == "linear" else ""
     name = a.name or f"{a.paradigm}-{a.num_layers}L{linear}-{a.preset}"
     run_dir = Path(a.out) if a.out else data_dir / "runs" / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / COMMAND_FILE).write_text(shlex.join(["kvshot", *sys.argv[1:]]) + "\n")
     ckpt = train(data_dir, target, dataset, run_dir, cfg, init=Path(a.init) if a.init else None,
-                 **_drafter_options(a))
+                 forward_dtype=a.forward_dtype, **_drafter_options(a))
     print(f"checkpoint: {ckpt}")
     print(f"serve: vllm serve {target} --speculative-config "
           f"'{{\"method\": \"eagle3\", \"model\": \"{ckpt}\", \"num_speculative_tokens\": 3}}'")
@@ -185,7 +189,8 @@ def cmd_diagnose(a: argparse.Namespace) -> None:
 
     data_dir, target, dataset = _training_inputs(a)
     ckpts = _named_checkpoints(a.checkpoints)
-    features = features_for(data_dir, target, dataset, "heldout", feature_spec(target))
+    features = features_for(data_dir, target, dataset, "heldout",
+                            feature_spec(target, forward_dtype=a.forward_dtype))
     results = diagnose(ckpts, target, features, steps=a.steps)
     write_report(results, Path(a.out), "kvshot diagnose " + " ".join(sys.argv[2:]))
 
@@ -202,13 +207,22 @@ def cmd_curve(a: argparse.Namespace) -> None:
         raise KVShotError(f"no training run at {run_dir} (run.json missing)")
     run = json.loads((run_dir / "run.json").read_text())
     target = Path(run["target"])
-    dataset = Path(json.loads((Path(run["features"]) / "params.json").read_text())["dataset"])
-    heldout = features_for(resolve_data_dir(a.data_dir), target, dataset, "heldout",
-                           feature_spec(target))
+    trained_on = json.loads((Path(run["features"]) / "params.json").read_text())
+    heldout = features_for(resolve_data_dir(a.data_dir), target, Path(trained_on["dataset"]),
+                           "heldout", feature_spec(target, forward_dtype=trained_on.get(
+                               "forward_dtype", "float32")))
     rows = learning_curve(run_dir, target, heldout, steps=a.steps)
     out = Path(a.out) if a.out else run_dir / "curve"
     write_curve(rows, out, "kvshot curve " + " ".join(sys.argv[2:]))
     print(f"curve: {out.with_suffix('.md')} ({len(rows)} snapshots)")
+
+
+def cmd_ship(a: argparse.Namespace) -> None:
+    from kvshot_vllm.training.ship import ship_drafter
+
+    out = Path(a.out) if a.out else Path("drafters") / a.target_name / a.name
+    ship_drafter(Path(a.run_dir), a.name, out)
+    print(f"shipped: {out}")
 
 
 def cmd_study(a: argparse.Namespace) -> None:
@@ -220,7 +234,8 @@ def cmd_study(a: argparse.Namespace) -> None:
         return
     data_dir, target, dataset = _training_inputs(a)
     run_study(data_dir, target, dataset, a.preset, Path(a.out),
-              command="kvshot study " + " ".join(sys.argv[2:]), only=a.only)
+              command="kvshot study " + " ".join(sys.argv[2:]), only=a.only,
+              forward_dtype=a.forward_dtype)
 
 
 # ----------------------------------------------------------------------------- bench
@@ -347,6 +362,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--dataset", help="data set directory (default: "
                        "DATA_DIR/datasets/sharegpt-TARGET)")
 
+    def forward_dtype(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--forward-dtype", default="float32", choices=["float32", "bfloat16"],
+                       help="the target forward that extracts features and labels (bfloat16: "
+                       "2.5x faster on AMX, and the labels of a bf16 engine; default float32)")
+
     p = sub.add_parser(
         "train", help="train a drafter with test-time training (resumable)",
         description="Extract the target's features (aux hidden states, cached K/V of the "
@@ -355,6 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
         "killed run. Writes RUN_DIR/checkpoint (config.json + model.safetensors, served by "
         "vLLM), metrics.jsonl and state.pt.")
     training_inputs(p)
+    forward_dtype(p)
     _add_drafter_options(p)
     p.add_argument("--preset", default="quick", help="quick (minutes, for tests and the demo) "
                    "or full (the study's budget)")
@@ -373,6 +394,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser(
+        "ship", help="a finished run's checkpoint as a drafter in the repository",
+        description="Write RUN_DIR/checkpoint in bf16 with its config and a manifest (the "
+        "command, data, budget and seed that made it, the sha256 of every file) to OUT, by "
+        "default drafters/TARGET/NAME. Every load of it checks the manifest.")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--name", required=True, help="the drafter's name, e.g. hidden")
+    p.add_argument("--target-name", default="smollm2-135m-instruct",
+                   help="the folder under drafters/ (default smollm2-135m-instruct)")
+    p.add_argument("--out", help="output directory (default drafters/TARGET_NAME/NAME)")
+    p.set_defaults(func=cmd_ship)
+
+    p = sub.add_parser(
         "curve", help="the learning curve of a run: held-out acceptance against tokens trained",
         description="Diagnose every snapshot of a training run (trained with --snapshot-every) "
         "on the held-out split of its data set: a_k and MAT against the tokens each snapshot "
@@ -389,6 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
         "and report a_k = P(draft k accepted | 0..k-1 accepted), MAT and retention, with the "
         "training run's gate and gradient statistics. Writes OUT.json, OUT.md and OUT.png.")
     training_inputs(p)
+    forward_dtype(p)
     p.add_argument("checkpoints", nargs="+", metavar="[NAME=]CHECKPOINT")
     p.add_argument("--steps", type=int, default=7, help="draft chain length (default 7)")
     p.add_argument("--out", default="results/diagnose", help="output path without suffix")
@@ -401,6 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
         "with the recurrent mixer, with one preset, then diagnose them together. Resumable: "
         "finished runs are reused.")
     training_inputs(p)
+    forward_dtype(p)
     p.add_argument("--preset", default="full")
     p.add_argument("--only", nargs="+", help="a subset of the study's drafters")
     p.add_argument("--out", default="results/kvshot_study", help="output path without suffix")

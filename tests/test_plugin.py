@@ -23,6 +23,10 @@ from kvshot_vllm.server import VLLMServer, free_port, serve_command
 # collective_rpc with a function (the cache-binding probe) needs pickled callables
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
+# The drafters the repository ships for the embedded target (`kvshot ship`).
+SHIPPED = {f"shipped-{m.parent.name}": m.parent for m in
+           sorted((Path(__file__).parents[1] / "drafters/smollm2-135m-instruct").glob("*/manifest.json"))}
+
 MAX_TOKENS = 24
 PREEMPTION_TOKENS = 96
 ENGINE = dict(dtype="float32", max_model_len=512, enable_prefix_caching=True,
@@ -98,7 +102,7 @@ def drafters(target_fp32: Path, tmp_path_factory) -> dict[str, Path]:
     paths["block-ssm"] = init_checkpoint(target_fp32, root / "block-ssm", paradigm="block",
                                          ssm_state_size=4)
     paths["oracle"] = build_oracle(target_fp32, root / "oracle")
-    return paths
+    return {**paths, **SHIPPED}
 
 
 def spec(model: Path, k: int, **extra) -> dict:
@@ -112,7 +116,9 @@ def k3_runs(target_fp32, data_dir, prompts, drafters):
 
     def run(paradigm: str):
         if paradigm not in cache:
-            extra = {} if paradigm == "hidden" else NON_PADDED
+            hidden = json.loads((drafters[paradigm] / "config.json").read_text())["kvshot"][
+                "paradigm"] == "hidden"
+            extra = {} if hidden else NON_PADDED
             cache[paradigm] = generate(target_fp32, data_dir, prompts,
                                        spec(drafters[paradigm], 3, **extra))
         return cache[paradigm]
@@ -120,7 +126,8 @@ def k3_runs(target_fp32, data_dir, prompts, drafters):
     return run
 
 
-@pytest.mark.parametrize("paradigm", ["hidden", "kv", "hybrid", "block", "block-ssm", "oracle"])
+@pytest.mark.parametrize("paradigm", ["hidden", "kv", "hybrid", "block", "block-ssm", "oracle",
+                                      *SHIPPED])
 def test_lossless_k3(paradigm, baseline, k3_runs) -> None:
     tokens, counters, blocks = k3_runs(paradigm)
     assert tokens == baseline[0]
@@ -223,6 +230,29 @@ def test_bad_drafter_refuses_to_start(case, target_fp32, data_dir, drafters, tmp
     edit, message = BAD_CONFIGS[case]
     bad = _edit_config(drafters["kv"], tmp_path / case, edit)
     assert message in _refused(target_fp32, data_dir, bad, tmp_path)
+
+
+def test_serving_configs_name_shipped_drafters() -> None:
+    """A new user serves the shipped drafters with no training: the configs point at them."""
+    root = Path(__file__).parents[1]
+    named = {json.loads((root / "serving_configs" / f"{n}.json").read_text())["model"]
+             for n in ("hidden", "kv", "hybrid", "block")}
+    shipped = {str(p.relative_to(root)) for p in SHIPPED.values()}
+    assert shipped and shipped <= named, (shipped, named)
+
+
+@pytest.mark.parametrize("name", list(SHIPPED)[:1])
+def test_corrupt_shipped_drafter_refuses_to_start(name, target_fp32, data_dir,
+                                                  tmp_path) -> None:
+    import shutil
+
+    bad = tmp_path / name
+    shutil.copytree(SHIPPED[name], bad)
+    weights = bytearray((bad / "model.safetensors").read_bytes())
+    weights[-1] ^= 0xFF
+    (bad / "model.safetensors").write_bytes(bytes(weights))
+    assert f"{bad / 'model.safetensors'} does not match its checksum" in _refused(
+        target_fp32, data_dir, bad, tmp_path)
 
 
 @pytest.mark.slow

@@ -202,6 +202,53 @@ def test_bad_checkpoints_fail_at_load(data_dir, target_fp32, dataset, train_feat
     assert_one_line_error(proc, BAD["hidden size"][1])
 
 
+def test_shipped_drafter_carries_provenance_and_refuses_bad_files(data_dir, target_fp32,
+                                                                  dataset, tmp_path) -> None:
+    """`kvshot train` then `kvshot ship`: bf16 weights equal to the run's, a manifest naming the
+    command, data, budget and seed, and a load that names the file that no longer matches."""
+    import shutil
+
+    run = tmp_path / "run"
+    proc = run_kvshot("train", "--paradigm", "hidden", "--steps", "2", "--batch-size", "2",
+                      "--target", str(target_fp32), "--dataset", str(dataset),
+                      "--data-dir", str(data_dir), "--out", str(run))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    shipped = tmp_path / "drafters" / "hidden"
+    proc = run_kvshot("ship", str(run), "--name", "hidden", "--out", str(shipped))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+    manifest = json.loads((shipped / "manifest.json").read_text())
+    assert manifest["command"].startswith("kvshot train --paradigm hidden --steps 2")
+    assert manifest["budget"]["steps"] == 2 and manifest["seed"] == 0
+    assert manifest["budget"]["tokens"] > manifest["budget"]["loss_tokens"] > 0
+    assert manifest["data"]["dataset"] == dataset.name and manifest["data"]["sequences"] == 6
+    assert sorted(manifest["files"]) == ["config.json", "model.safetensors"]
+    ours, theirs = (load_file(d / "model.safetensors") for d in (shipped, run / "checkpoint"))
+    assert ours.keys() == theirs.keys()
+    for name, w in ours.items():
+        assert w.dtype == (torch.long if name == "d2t" else torch.bfloat16), name
+        assert torch.equal(w, theirs[name].to(w.dtype)), name
+    load_drafter(shipped, target_fp32)
+
+    for broken, damage in (("flipped", lambda p: p.write_bytes(_flip_last_byte(p))),
+                           ("missing", lambda p: p.unlink())):
+        bad = tmp_path / broken
+        shutil.copytree(shipped, bad)
+        damage(bad / "model.safetensors")
+        message = "does not match its checksum" if broken == "flipped" else "is missing"
+        with pytest.raises(KVShotError, match=f"{bad / 'model.safetensors'} {message}"):
+            load_drafter(bad, target_fp32)
+    proc = run_kvshot("ship", str(tmp_path / "no-run"), "--name", "x",
+                      "--out", str(tmp_path / "x"))
+    assert_one_line_error(proc, "no training run at")
+
+
+def _flip_last_byte(path: Path) -> bytes:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    return bytes(data)
+
+
 def _train_cmd(data_dir, target, dataset, out) -> list[str]:
     return [*KVSHOT, "train", "--paradigm", "hybrid", "--preset", "quick", "--steps", "8",
             "--batch-size", "2", "--checkpoint-every", "2", "--target", str(target), "--dataset", str(dataset),

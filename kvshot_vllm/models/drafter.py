@@ -23,7 +23,7 @@ from kvshot_vllm.errors import KVShotError
 from kvshot_vllm.models.config import (DrafterConfig, TargetSpec, check_fits_target,
                                        load_drafter_config)
 from kvshot_vllm.models.layers import RMSNorm, SelectiveScan, draft_attention, rotate
-from kvshot_vllm.models.weights import check_drafter_weights, target_spec
+from kvshot_vllm.models.weights import check_drafter_weights, target_spec, verify_checkpoint
 
 
 @dataclass
@@ -267,6 +267,7 @@ def load_drafter(checkpoint: Path, target_dir: Path) -> Drafter:
     """A trained checkpoint (config.json + model.safetensors) as a training-side drafter."""
     from safetensors.torch import load_file
 
+    verify_checkpoint(checkpoint)
     cfg = load_drafter_config(checkpoint)
     weights_file = Path(checkpoint) / "model.safetensors"
     if not weights_file.is_file():

@@ -8,6 +8,7 @@ which vLLM's EAGLE-3 loader reads; the KV-reuse parts add `kv_layers.N.*` (KV-on
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -135,6 +136,40 @@ def save_checkpoint(cfg: DrafterConfig, weights: dict[str, torch.Tensor], out_di
         shutil.rmtree(out_dir)
     tmp.rename(out_dir)
     return out_dir
+
+
+# A shipped drafter's provenance and checksums (`kvshot ship`), checked wherever it is loaded.
+MANIFEST = "manifest.json"
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def verify_checkpoint(checkpoint: Path) -> None:
+    """Every file a checkpoint's manifest lists, present with its sha256; a checkpoint without
+    a manifest (a training run's) is not checked."""
+    manifest_path = Path(checkpoint) / MANIFEST
+    if not manifest_path.is_file():
+        return
+    try:
+        files = json.loads(manifest_path.read_text())["files"]
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise KVShotError(f"{manifest_path} is not a kvshot drafter manifest ({exc})") from None
+    for name, entry in files.items():
+        path = Path(checkpoint) / name
+        if not path.is_file():
+            raise KVShotError(f"{path} is missing: {manifest_path} lists it")
+        got = sha256_of(path)
+        if got != entry["sha256"]:
+            raise KVShotError(f"{path} does not match its checksum in {manifest_path} (sha256 "
+                              f"{got[:16]}..., expected {entry['sha256'][:16]}...): the file "
+                              f"is corrupt or was replaced; restore it (git checkout) or ship "
+                              f"it again")
 
 
 def target_spec(target_dir: Path) -> TargetSpec:

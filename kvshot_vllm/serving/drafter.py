@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -37,7 +38,7 @@ from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
 
 from kvshot_vllm.models.config import TargetSpec, load_drafter_config
 from kvshot_vllm.models.layers import GatedDelta, SelectiveScan, SwiGLU
-from kvshot_vllm.models.weights import check_drafter_weights
+from kvshot_vllm.models.weights import check_drafter_weights, verify_checkpoint
 from kvshot_vllm.serving.backend import block_rows, draft_kv_backend, platform_backend
 from kvshot_vllm.serving.checks import check_against_target
 
@@ -152,8 +153,21 @@ class KVLayer(nn.Module):
         return x + self.mlp(self.post_norm(x))
 
 
-class KVShotEagle3LlamaForCausalLM(Eagle3LlamaForCausalLM):
-    """KV-only and hybrid drafters (hidden-only ones are stock `Eagle3LlamaForCausalLM`).
+class VerifiedEagle3LlamaForCausalLM(Eagle3LlamaForCausalLM):
+    """vLLM's EAGLE-3 drafter, after checking a shipped checkpoint against its manifest: vLLM's
+    loader reads a corrupt or replaced safetensors file without naming it. Registered under
+    the stock name (`registry.py`), so hidden-only checkpoints also load in vLLM without the
+    plugin, unchecked there."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        checkpoint = Path(vllm_config.speculative_config.draft_model_config.model)
+        if checkpoint.is_dir():
+            verify_checkpoint(checkpoint)
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+
+
+class KVShotEagle3LlamaForCausalLM(VerifiedEagle3LlamaForCausalLM):
+    """KV-only, hybrid and block drafters (hidden-only ones are `VerifiedEagle3...`).
 
     Subclasses vLLM's EAGLE-3 model because the proposer asserts that class, and reuses its
     fc / self-attention layer / norm / lm_head (with d2t) for the hybrid.

@@ -7,18 +7,18 @@ registry-inspection subprocess.
 
 from __future__ import annotations
 
-from kvshot_vllm.models.config import KVSHOT_ARCH
+from kvshot_vllm.models.config import KVSHOT_ARCH, STOCK_EAGLE3_ARCH
 
-# architecture name (as written in a checkpoint's config.json) -> "module:Class"
+# architecture name (as written in a checkpoint's config.json) -> "module:Class". The stock
+# EAGLE-3 name is taken over by its subclass that checks shipped checkpoints' manifests.
 DRAFTER_ARCHITECTURES: dict[str, str] = {
     KVSHOT_ARCH: "kvshot_vllm.serving.drafter:KVShotEagle3LlamaForCausalLM",
+    STOCK_EAGLE3_ARCH: "kvshot_vllm.serving.drafter:VerifiedEagle3LlamaForCausalLM",
 }
 
 
 def register_drafters() -> None:
     from vllm import ModelRegistry
 
-    known = set(ModelRegistry.get_supported_archs())
     for arch, target in DRAFTER_ARCHITECTURES.items():
-        if arch not in known:
-            ModelRegistry.register_model(arch, target)
+        ModelRegistry.register_model(arch, target)

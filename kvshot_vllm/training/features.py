@@ -32,13 +32,18 @@ class FeatureSpec:
     aux_layers: tuple[int, ...]
     kv_layers: tuple[int, ...]
     max_len: int = 1024
-    dtype: str = "bfloat16"
+    dtype: str = "bfloat16"  # what is stored
     shard_size: int = 16
+    # What the target's forward runs in: bf16 is 2.5x fp32 on AMX (bench/results/
+    # train_speed.md), and its labels are the greedy tokens of a bf16 engine, which is what
+    # vLLM serves on such CPUs by default (README, "CPU notes").
+    forward_dtype: str = "float32"
 
     def dir_name(self, split: str) -> str:
         aux = "-".join(map(str, self.aux_layers))
         kv = "-".join(map(str, self.kv_layers))
-        return f"{split}-aux{aux}-kv{kv}-len{self.max_len}-{self.dtype}"
+        forward = "" if self.forward_dtype == "float32" else f"-fwd-{self.forward_dtype}"
+        return f"{split}-aux{aux}-kv{kv}-len{self.max_len}-{self.dtype}{forward}"
 
 
 def sequences(dataset_dir: Path, split: str, max_len: int) -> list[tuple[str, list[int], int]]:
@@ -61,7 +66,7 @@ def target_forward(model, ids: list[int], spec: FeatureSpec) -> dict[str, torch.
     dtype = DTYPES[spec.dtype]
     out = model(torch.tensor([ids]), output_hidden_states=True, use_cache=True)
     # hidden_states[L] is the input of layer L, which is what vLLM collects as aux layer L.
-    feats = {"labels": out.logits[0].argmax(-1).to(torch.int32),
+    feats = {"labels": out.logits[0].float().argmax(-1).to(torch.int32),
              "aux": torch.cat([out.hidden_states[i][0] for i in spec.aux_layers], -1).to(dtype)}
     cache = out.past_key_values
     for layer in spec.kv_layers:
@@ -98,7 +103,8 @@ def extract_features(target_dir: Path, dataset_dir: Path, split: str, out_root: 
               unit="seq") as bar:
         for i in todo:
             if model is None:
-                model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+                model = AutoModelForCausalLM.from_pretrained(
+                    target_dir, dtype=DTYPES[spec.forward_dtype])
                 model.eval()
             parts = [target_forward(model, ids, spec) for _, ids, _ in shards[i]]
             tensors = {name: torch.cat([p[name] for p in parts]) for name in parts[0]}

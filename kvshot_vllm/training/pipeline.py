@@ -18,11 +18,12 @@ MAX_LEN = 1024
 
 
 def feature_spec(target_dir: Path, kv_layers: list[int] | None = None,
-                 max_len: int = MAX_LEN) -> FeatureSpec:
+                 max_len: int = MAX_LEN, forward_dtype: str = "float32") -> FeatureSpec:
     n = target_spec(target_dir).num_layers
     probe = validated({"paradigm": "kv", "target": target_spec(target_dir)})
     return FeatureSpec(aux_layers=tuple(probe.aux_layers),
-                       kv_layers=tuple(kv_layers or default_layers(n, 3)), max_len=max_len)
+                       kv_layers=tuple(kv_layers or default_layers(n, 3)), max_len=max_len,
+                       forward_dtype=forward_dtype)
 
 
 def features_for(data_dir: Path, target_dir: Path, dataset: Path, split: str,
@@ -59,10 +60,11 @@ def drafter_config(target_dir: Path, cfg: TrainConfig, init: Path | None = None,
 
 
 def train(data_dir: Path, target_dir: Path, dataset: Path, run_dir: Path, cfg: TrainConfig,
-          init: Path | None = None, progress: bool = True, **options) -> Path:
+          init: Path | None = None, progress: bool = True, forward_dtype: str = "float32",
+          **options) -> Path:
     dcfg = drafter_config(target_dir, cfg, init, **options)
     spec = feature_spec(target_dir, sorted(set(dcfg.kv_layers) | set(default_layers(
-        dcfg.target.num_layers, 3))))
+        dcfg.target.num_layers, 3))), forward_dtype=forward_dtype)
     features = features_for(data_dir, target_dir, dataset, "train", spec)
     trainer = Trainer(run_dir, dcfg, cfg, target_dir, features, init=init)
     if trainer.fresh is not None:
@@ -83,7 +85,8 @@ STUDY = {
 
 
 def run_study(data_dir: Path, target_dir: Path, dataset: Path, preset: str, out: Path,
-              command: str, only: list[str] | None = None) -> dict:
+              command: str, only: list[str] | None = None,
+              forward_dtype: str = "float32") -> dict:
     """Train the study's drafters (finished runs are reused), then diagnose them together."""
     from kvshot_vllm.training.diagnostics import diagnose, write_report
 
@@ -102,8 +105,10 @@ def run_study(data_dir: Path, target_dir: Path, dataset: Path, preset: str, out:
             if not (init / "config.json").is_file():
                 raise KVShotError(f"{name} warm-starts from {warm_from}: train it first")
         print(f"== {name}")
-        ckpts[name] = train(data_dir, target_dir, dataset, runs / name, cfg, init=init, **options)
-    features = features_for(data_dir, target_dir, dataset, "heldout", feature_spec(target_dir))
+        ckpts[name] = train(data_dir, target_dir, dataset, runs / name, cfg, init=init,
+                            forward_dtype=forward_dtype, **options)
+    features = features_for(data_dir, target_dir, dataset, "heldout",
+                            feature_spec(target_dir, forward_dtype=forward_dtype))
     results = diagnose(ckpts, target_dir, features)
     for name, (_, warm_from) in STUDY.items():
         if name in results:

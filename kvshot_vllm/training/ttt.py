@@ -61,13 +61,15 @@ class TrainConfig(BaseModel):
     seed: int = 0
 
 
-# Sized for the embedded default on 2 CPU cores: quick for the demo and tests, full for the
-# study (its training times are in results/kvshot_study.md).
+# Sized for the embedded default on 2 CPU cores: quick for the demo and tests (minutes); full
+# for the data set of `make data-scale` (about 3,500 sequences): 900 steps of 8 sequences, about
+# two epochs, at the throughput bench/results/train_speed.md measured about 55 minutes on 2
+# cores (the learning curve of `make train-scale` says whether it reached a plateau).
 PRESETS = {
     "quick": TrainConfig(steps=30, batch_size=2, draft_vocab_size=4096, lr=2e-3, warmup=5,
                          checkpoint_every=10, log_every=5),
-    "full": TrainConfig(steps=120, batch_size=4, draft_vocab_size=8192, lr=2e-3, warmup=12,
-                        checkpoint_every=20, log_every=10),
+    "full": TrainConfig(steps=900, batch_size=8, draft_vocab_size=8192, lr=2e-3, warmup=50,
+                        checkpoint_every=25, log_every=10),
 }
 
 

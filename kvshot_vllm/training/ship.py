@@ -1,0 +1,88 @@
+"""Shipping a trained drafter into the repository: bf16 weights, its config, and a manifest of
+where it came from (the command, data, budget and seed) with the sha256 of every file, which
+`verify_checkpoint` checks wherever the drafter is loaded (training side and inside vLLM).
+
+    kvshot ship RUN_DIR --name NAME [--out DIR]
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from kvshot_vllm.errors import KVShotError
+from kvshot_vllm.models.config import load_drafter_config
+from kvshot_vllm.models.weights import MANIFEST, save_checkpoint, sha256_of, verify_checkpoint
+from kvshot_vllm.training.features import FeatureSet
+from kvshot_vllm.training.ttt import TrainConfig, trained_tokens
+
+# A run directory's record of the command that trained it (`kvshot train` writes it).
+COMMAND_FILE = "command.txt"
+# Past this a drafter does not belong in git (issue 12: at most about 25 MB each).
+MAX_BYTES = 32 * 2**20
+
+
+def provenance(run_dir: Path) -> dict:
+    """What made the run's checkpoint: command, data, budget and seed."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "run.json").is_file():
+        raise KVShotError(f"no training run at {run_dir} (run.json missing)")
+    run = json.loads((run_dir / "run.json").read_text())
+    cfg = TrainConfig.model_validate(run["train"])
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    if not metrics or metrics[-1]["step"] != cfg.steps:
+        raise KVShotError(f"{run_dir} has not finished its {cfg.steps} steps; rerun its "
+                          f"`kvshot train` command first")
+    features = FeatureSet(Path(run["features"]))
+    lengths = [features.length(i) for i in range(len(features))]
+    prompt_lens = [features.prompt_length(i) for i in range(len(features))]
+    dataset = Path(features.params["dataset"])
+    data_manifest = dataset / "manifest.json"
+    data = json.loads(data_manifest.read_text()) if data_manifest.is_file() else {}
+    command = run_dir / COMMAND_FILE
+    return {
+        "command": command.read_text().strip() if command.is_file() else None,
+        "data": {"dataset": dataset.name, "params": data.get("params"),
+                 "engine": data.get("engine"),
+                 "train": (data.get("splits") or {}).get("train"),
+                 "features": {k: features.params[k] for k in ("forward_dtype", "dtype",
+                                                              "max_len") if k in features.params},
+                 "sequences": len(features)},
+        "budget": {"steps": cfg.steps, "batch_size": cfg.batch_size, "lr": cfg.lr,
+                   "ttt_steps": cfg.ttt_steps, "draft_vocab_size": cfg.draft_vocab_size,
+                   **trained_tokens(lengths, prompt_lens, cfg, cfg.steps),
+                   "train_s": round(metrics[-1]["s_per_step"] * cfg.steps, 1)},
+        "seed": cfg.seed,
+        "init": run.get("init"),
+    }
+
+
+def ship_drafter(run_dir: Path, name: str, out: Path) -> Path:
+    """RUN_DIR/checkpoint as a shipped drafter at `out`, written beside and renamed."""
+    from safetensors.torch import load_file
+
+    made = provenance(run_dir)
+    checkpoint = Path(run_dir) / "checkpoint"
+    cfg = load_drafter_config(checkpoint)
+    record = {"name": name, "paradigm": cfg.paradigm, "target": cfg.target.name, **made}
+    tmp = out.with_name(out.name + ".shipping")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    save_checkpoint(cfg, load_file(checkpoint / "model.safetensors"), tmp, dtype=torch.bfloat16)
+    files = {f.name: {"sha256": sha256_of(f), "bytes": f.stat().st_size}
+             for f in sorted(tmp.iterdir())}
+    size = sum(f["bytes"] for f in files.values())
+    if size > MAX_BYTES:
+        shutil.rmtree(tmp)
+        raise KVShotError(f"{name} would ship {size / 2**20:.1f} MiB, over the "
+                          f"{MAX_BYTES / 2**20:.0f} MiB a drafter in git may take")
+    (tmp / MANIFEST).write_text(json.dumps({**record, "files": files}, indent=2) + "\n")
+    verify_checkpoint(tmp)
+    if out.exists():
+        shutil.rmtree(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp.rename(out)
+    return out
