@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 export KVSHOT_DATA_DIR ?= $(CURDIR)/data
 
-.PHONY: setup demo test test-slow clean-data data-scale
+.PHONY: setup demo test test-slow clean-data data-scale train-scale
 
 setup: $(VENV)/.setup-done
 $(VENV)/.setup-done: pyproject.toml scripts/setup.sh
@@ -33,6 +33,15 @@ data-scale: setup
 	nice -n 10 $(VENV)/bin/kvshot data prepare --target $(SCALE_TARGET) --num-prompts 2048 \
 	  --num-heldout 100 --max-turns 2 --max-prompt-tokens 768 --max-new-tokens 256 \
 	  --chunk-size 128 --compiled --out $(SCALE_DATA)
+
+# The shipped hidden-only drafter (drafters/smollm2-135m-instruct/hidden): the `full` preset on
+# that data set, features from a bf16 target forward (2.5x fp32 on AMX; labels of a bf16 engine,
+# what vLLM serves there), a snapshot every 120 steps for the learning curve. Resumable.
+SCALE_RUN = $(KVSHOT_DATA_DIR)/runs/scale-hidden
+train-scale: data-scale
+	nice -n 10 $(VENV)/bin/kvshot train --paradigm hidden --preset full --target $(SCALE_TARGET) \
+	  --dataset $(SCALE_DATA) --forward-dtype bfloat16 --snapshot-every 120 --out $(SCALE_RUN)
+	$(VENV)/bin/kvshot curve $(SCALE_RUN) --out results/curve-hidden
 
 clean-data:
 	rm -rf data

@@ -484,8 +484,10 @@ def prepare_data(
             have = on_disk[split][len(kept[split]):]
             done = completed_chunks(have, plan)
             kept[split] += have[: sum(len(c) for c in plan[:done])]
-            # Keep the complete chunks only: a torn last line or a partly written chunk goes.
-            if len(kept[split]) < len(on_disk[split]) or plan[done:]:
+            # An unfinished turn keeps its complete chunks only: a torn last line or a partly
+            # written chunk goes. After a finished turn the records on disk are the next
+            # turn's, checked there (and anything past the last turn goes after the loop).
+            if plan[done:]:
                 _keep_only(path, kept[split])
                 on_disk[split] = list(kept[split])
             todo += [(path, c) for c in plan[done:]]

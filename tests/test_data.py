@@ -93,6 +93,13 @@ def test_resume_after_kill_gives_the_same_file(target_bf16: Path, data_dir: Path
     reference = tmp_path / "reference"
     proc = run_kvshot("data", "prepare", *common, "--out", str(reference))
     assert proc.returncode == 0, proc.stderr[-3000:]
+    finished = {s: (reference / f"{s}.jsonl").read_text() for s in ("train", "heldout")}
+    assert '"turn": 2' in finished["train"]
+    # A rerun of a finished data set keeps every turn and regenerates nothing.
+    proc = run_kvshot("data", "prepare", *common, "--out", str(reference))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "nothing to regenerate" in proc.stdout, proc.stdout
+    assert {s: (reference / f"{s}.jsonl").read_text() for s in finished} == finished
 
     resumed = tmp_path / "resumed"
     victim = subprocess.Popen([*KVSHOT, "data", "prepare", *common, "--out", str(resumed)],
