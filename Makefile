@@ -36,11 +36,11 @@ data-scale: setup
 
 # The shipped hidden-only drafter (drafters/smollm2-135m-instruct/hidden): the `full` preset on
 # that data set, features from a bf16 target forward (2.5x fp32 on AMX; labels of a bf16 engine,
-# what vLLM serves there), a snapshot every 120 steps for the learning curve. Resumable.
+# what vLLM serves there), a snapshot every 80 steps for the learning curve. Resumable.
 SCALE_RUN = $(KVSHOT_DATA_DIR)/runs/scale-hidden
 train-scale: data-scale
 	nice -n 10 $(VENV)/bin/kvshot train --paradigm hidden --preset full --target $(SCALE_TARGET) \
-	  --dataset $(SCALE_DATA) --forward-dtype bfloat16 --snapshot-every 120 --out $(SCALE_RUN)
+	  --dataset $(SCALE_DATA) --forward-dtype bfloat16 --snapshot-every 80 --out $(SCALE_RUN)
 	$(VENV)/bin/kvshot curve $(SCALE_RUN) --out results/curve-hidden
 
 clean-data:

@@ -36,6 +36,7 @@ from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
 
+from kvshot_vllm.errors import KVShotError
 from kvshot_vllm.models.config import TargetSpec, load_drafter_config
 from kvshot_vllm.models.layers import GatedDelta, SelectiveScan, SwiGLU
 from kvshot_vllm.models.weights import check_drafter_weights, verify_checkpoint
@@ -154,16 +155,22 @@ class KVLayer(nn.Module):
 
 
 class VerifiedEagle3LlamaForCausalLM(Eagle3LlamaForCausalLM):
-    """vLLM's EAGLE-3 drafter, after checking a shipped checkpoint against its manifest: vLLM's
-    loader reads a corrupt or replaced safetensors file without naming it. Registered under
-    the stock name (`registry.py`), so hidden-only checkpoints also load in vLLM without the
-    plugin, unchecked there."""
+    """vLLM's EAGLE-3 drafter, after the checks a kvshot checkpoint allows: its files against a
+    shipped drafter's manifest (vLLM's loader reads a corrupt or replaced safetensors file
+    without naming it), and its `kvshot` block against the served target. Registered under the
+    stock name (`registry.py`), so hidden-only checkpoints also load in vLLM without the plugin,
+    unchecked there; other EAGLE-3 checkpoints load as in stock vLLM."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
-        checkpoint = Path(vllm_config.speculative_config.draft_model_config.model)
-        if checkpoint.is_dir():
-            verify_checkpoint(checkpoint)
+        draft = vllm_config.speculative_config.draft_model_config
+        if Path(draft.model).is_dir():
+            verify_checkpoint(Path(draft.model))
+        block = getattr(draft.hf_config, "kvshot", None)
+        cfg = load_drafter_config({"kvshot": block}) if block is not None else None
+        if cfg is not None:
+            check_against_target(cfg, vllm_config.model_config.hf_config)
         super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self.kvshot = cfg
 
 
 class KVShotEagle3LlamaForCausalLM(VerifiedEagle3LlamaForCausalLM):
@@ -174,11 +181,11 @@ class KVShotEagle3LlamaForCausalLM(VerifiedEagle3LlamaForCausalLM):
     """
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
-        draft_hf_config = vllm_config.speculative_config.draft_model_config.hf_config
-        cfg = load_drafter_config({"kvshot": getattr(draft_hf_config, "kvshot", None)})
-        check_against_target(cfg, vllm_config.model_config.hf_config)
         super().__init__(vllm_config=vllm_config, prefix=prefix)
-        self.kvshot, target = cfg, cfg.target
+        if self.kvshot is None:
+            raise KVShotError(f"{vllm_config.speculative_config.draft_model_config.model}: a "
+                              f"KVShotLlamaEagle3 checkpoint without its 'kvshot' block")
+        cfg, target = self.kvshot, self.kvshot.target
         cache_config = get_current_vllm_config().cache_config
         # The served target's own RoPE (scaling included, e.g. Llama-3.1's), so that drafter
         # queries and keys rotate exactly like the cached target keys they meet.

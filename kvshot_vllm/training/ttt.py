@@ -62,13 +62,13 @@ class TrainConfig(BaseModel):
 
 
 # Sized for the embedded default on 2 CPU cores: quick for the demo and tests (minutes); full
-# for the data set of `make data-scale` (3,417 sequences): 720 steps of 8 sequences, 1.7
-# epochs, about 45 minutes on 2 cores at the throughput of bench/results/train_speed.md (the
+# for the data set of `make data-scale` (3,417 sequences): 480 steps of 8 sequences, 1.1
+# epochs, about half an hour on 2 cores at the throughput of bench/results/train_speed.md (the
 # learning curve of `make train-scale` says how far that is from a plateau).
 PRESETS = {
     "quick": TrainConfig(steps=30, batch_size=2, draft_vocab_size=4096, lr=2e-3, warmup=5,
                          checkpoint_every=10, log_every=5),
-    "full": TrainConfig(steps=720, batch_size=8, draft_vocab_size=8192, lr=2e-3, warmup=40,
+    "full": TrainConfig(steps=480, batch_size=8, draft_vocab_size=8192, lr=2e-3, warmup=30,
                         checkpoint_every=25, log_every=10),
 }
 
