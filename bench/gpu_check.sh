@@ -8,4 +8,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python -c "import torch; assert torch.cuda.is_available(), 'no GPU visible'"
 timeout 570 python -m pytest -q -p no:cacheprovider tests/test_plugin.py tests/test_backend_unit.py \
-  -k "lossless or oracle or preemption or bad_drafters or lengths or slots or block" "$@"
+  -k "lossless or oracle or preemption or bad_drafter or served_drafts or lengths or slots or block" "$@"

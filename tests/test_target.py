@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch
@@ -35,11 +34,9 @@ def test_vllm_greedy_matches_transformers_fp32(target_fp32: Path, data_dir: Path
 
 def test_prepare_is_idempotent(target_fp32: Path, data_dir: Path) -> None:
     before = (target_fp32 / "model.safetensors").stat().st_mtime_ns
-    start = time.perf_counter()
     path, reused = prepare_target(data_dir, dtype="float32")
     assert reused and path == target_fp32
     assert (target_fp32 / "model.safetensors").stat().st_mtime_ns == before
-    assert time.perf_counter() - start < 10
     assert (target_fp32 / "tokenizer.json").is_file()
     assert "im_start" in (target_fp32 / "chat_template.jinja").read_text()
 

@@ -165,7 +165,7 @@ class FeatureSet:
         self.path = Path(path)
         params_path = self.path / "params.json"
         if not params_path.is_file():
-            raise KVShotError(f"no features at {self.path}; run `kvshot features` first")
+            raise KVShotError(f"no features at {self.path}; `kvshot train` and `kvshot diagnose` extract them when missing")
         self.params = json.loads(params_path.read_text())
         files = sorted(self.path.glob("shard-*.safetensors"))
         expected = -(-len(self.params["ids"]) // self.params["shard_size"])
