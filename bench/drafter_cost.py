@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+from kvshot_vllm.models.registry import paradigm_names
 from kvshot_vllm.results import write_results
 
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # timer installed by rpc
@@ -103,7 +104,7 @@ def main() -> None:
     configure_vllm_env(data_dir)
     target, _ = prepare_target(data_dir, "bfloat16")
     drafters = {p: init_checkpoint(target, data_dir / "bench-drafters" / p, paradigm=p)
-                for p in ("hidden", "kv", "hybrid", "block")}
+                for p in paradigm_names()}
     drafters["block-ssm"] = init_checkpoint(target, data_dir / "bench-drafters" / "block-ssm",
                                             paradigm="block", ssm_state_size=8)
     runs = {"no speculation": measure(target, data_dir, None, a.k, a.max_tokens,

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from kvshot_vllm.models.registry import paradigm_names
 from kvshot_vllm.paths import resolve_data_dir
 from kvshot_vllm.results import write_results
 from kvshot_vllm.target import target_dir
@@ -47,7 +48,7 @@ BASELINE = "bf16, every row, random batches"  # today's default where bf16 is na
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dataset", help="default: DATA_DIR/datasets/sharegpt-<fp32 target>")
-    ap.add_argument("--paradigm", default="hidden", choices=["hidden", "kv", "hybrid", "block"])
+    ap.add_argument("--paradigm", default="hidden", choices=paradigm_names())
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--out", default="bench/results/train_speed")
     a = ap.parse_args()

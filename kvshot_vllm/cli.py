@@ -26,9 +26,10 @@ def _add_target(p: argparse.ArgumentParser) -> None:
 
 
 def _add_drafter_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--paradigm", required=True, choices=["hidden", "kv", "hybrid", "block"],
-                   help="block: block-parallel (all k drafts of a proposal from the last "
-                   "verified hidden state and the target's KV), trained block-wise")
+    from kvshot_vllm.models.registry import paradigm, paradigm_names
+
+    p.add_argument("--paradigm", required=True, choices=paradigm_names(),
+                   help="; ".join(f"{n}: {paradigm(n).summary}" for n in paradigm_names()))
     p.add_argument("--num-layers", type=int, default=1)
     p.add_argument("--kv-layers", type=int, nargs="+",
                    help="target layers whose KV cache is read (default: 3 uniformly spaced)")
@@ -151,6 +152,12 @@ def _training_inputs(a: argparse.Namespace) -> tuple[Path, Path, Path]:
     return data_dir, target, dataset
 
 
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def cmd_train(a: argparse.Namespace) -> None:
     from kvshot_vllm.training.pipeline import train, train_config
     from kvshot_vllm.training.ship import COMMAND_FILE
@@ -165,7 +172,8 @@ def cmd_train(a: argparse.Namespace) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / COMMAND_FILE).write_text(shlex.join(["kvshot", *sys.argv[1:]]) + "\n")
     ckpt = train(data_dir, target, dataset, run_dir, cfg, init=Path(a.init) if a.init else None,
-                 forward_dtype=a.forward_dtype, **_drafter_options(a))
+                 forward_dtype=a.forward_dtype, device=a.device or _default_device(),
+                 **_drafter_options(a))
     print(f"checkpoint: {ckpt}")
     print(f"serve: vllm serve {target} --speculative-config "
           f"'{{\"method\": \"eagle3\", \"model\": \"{ckpt}\", \"num_speculative_tokens\": 3}}'")
@@ -381,6 +389,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "or full (the study's budget)")
     p.add_argument("--init", help="warm start: a kvshot, EAGLE-3 or speculators checkpoint; "
                    "matching weights are copied, the rest (e.g. a hybrid's cross branch) fresh")
+    p.add_argument("--device",
+                   help="where the target's feature forward and training run (default: cuda "
+                   "where a GPU is visible, else cpu); a run may resume on another device")
     p.add_argument("--steps", type=int, help="optimizer steps (default: the preset's)")
     p.add_argument("--batch-size", type=int, help="sequences per step (default: the preset's)")
     p.add_argument("--lr", type=float)

@@ -42,12 +42,11 @@ class BenchConfig:
     plugin: bool = True  # False: serve without the kvshot plugin (stock vLLM)
 
     def drafter_kv_bytes_per_token(self, dtype_bytes: int) -> int | None:
-        """KV cache bytes per token the drafter's own layers add (KV-reuse layers add none)."""
+        """KV cache bytes per token the drafter's own layers add: its self-attention layers'
+        (`num_hidden_layers`); KV-reuse layers add none."""
         if self.speculative is None or self.speculative.get("method") != "eagle3":
             return 0
         cfg = json.loads((Path(self.speculative["model"]) / "config.json").read_text())
-        if "kvshot" in cfg and cfg["kvshot"]["paradigm"] == "kv":
-            return 0
         return (cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * cfg["head_dim"]
                 * dtype_bytes)
 

@@ -22,6 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kvshot_vllm.models.registry import paradigm_names
 from kvshot_vllm.paths import resolve_data_dir
 from kvshot_vllm.target import target_dir
 
@@ -52,7 +53,7 @@ def main() -> None:
     kvshot("data", "prepare", "--target", str(target), "--num-prompts", "32",
            "--num-heldout", "8", "--max-new-tokens", "64", "--out", str(dataset))
     checkpoints = {}
-    for paradigm in ("hidden", "kv", "hybrid", "block"):
+    for paradigm in paradigm_names():
         name = f"demo-{paradigm}"
         kvshot("train", "--paradigm", paradigm, "--preset", "quick", "--dataset", str(dataset),
                "--name", name)

@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
+from kvshot_vllm.models.config import load_drafter_config
 from kvshot_vllm.models.oracle import build_oracle
+from kvshot_vllm.models.registry import paradigm_names
 from kvshot_vllm.models.weights import init_checkpoint
 from kvshot_vllm.server import VLLMServer, free_port, serve_command
 
@@ -98,7 +100,7 @@ def baseline(long_baseline):
 def drafters(target_fp32: Path, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("drafters")
     paths = {p: init_checkpoint(target_fp32, root / p, paradigm=p)
-             for p in ("hidden", "kv", "hybrid", "block")}
+             for p in paradigm_names()}
     paths["block-ssm"] = init_checkpoint(target_fp32, root / "block-ssm", paradigm="block",
                                          ssm_state_size=4)
     paths["oracle"] = build_oracle(target_fp32, root / "oracle")
@@ -126,13 +128,16 @@ def k3_runs(target_fp32, data_dir, prompts, drafters):
     return run
 
 
-@pytest.mark.parametrize("paradigm", ["hidden", "kv", "hybrid", "block", "block-ssm", "oracle",
-                                      *SHIPPED])
-def test_lossless_k3(paradigm, baseline, k3_runs) -> None:
+# Every registered paradigm, the block drafter's recurrent variant, and the test instrument.
+SERVED = [*paradigm_names(), "block-ssm", "oracle"]
+
+
+@pytest.mark.parametrize("paradigm", [*SERVED, *SHIPPED])
+def test_lossless_k3(paradigm, baseline, k3_runs, drafters) -> None:
     tokens, counters, blocks = k3_runs(paradigm)
     assert tokens == baseline[0]
     assert counters["num_drafts"] > 0
-    if paradigm in ("kv", "block", "block-ssm"):
+    if paradigm != "oracle" and load_drafter_config(drafters[paradigm]).reads_only_kv:
         # In place: the cross layers of KV-only and block drafters own no cache, so vLLM fits
         # exactly as many blocks as without speculation in the same KV cache space, and each
         # reads its target layer's tensor itself (the same storage, not a copy).
@@ -152,7 +157,7 @@ def test_hybrid_cross_layers_add_no_cache(k3_runs) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 7])
-@pytest.mark.parametrize("paradigm", ["hidden", "kv", "hybrid", "block", "block-ssm", "oracle"])
+@pytest.mark.parametrize("paradigm", SERVED)
 def test_lossless_k1_k7(paradigm, k, target_fp32, data_dir, prompts, baseline, drafters) -> None:
     extra = {} if paradigm == "hidden" else NON_PADDED
     tokens, counters, _ = generate(target_fp32, data_dir, prompts,
@@ -239,7 +244,7 @@ def test_serving_configs_name_shipped_drafters() -> None:
     """A new user serves the shipped drafters with no training: the configs point at them."""
     root = Path(__file__).parents[1]
     named = {json.loads((root / "serving_configs" / f"{n}.json").read_text())["model"]
-             for n in ("hidden", "kv", "hybrid", "block")}
+             for n in paradigm_names()}
     shipped = {str(p.relative_to(root)) for p in SHIPPED.values()}
     assert shipped and shipped <= named, (shipped, named)
 
@@ -325,8 +330,7 @@ def _proposals(worker) -> list:
 
 
 # Every drafter the plugin serves, by its checkpoint options.
-PARITY_DRAFTERS = {"hidden": {"paradigm": "hidden"}, "kv": {"paradigm": "kv"},
-                   "hybrid": {"paradigm": "hybrid"}, "block": {"paradigm": "block"},
+PARITY_DRAFTERS = {**{name: {"paradigm": name} for name in paradigm_names()},
                    "block-ssm": {"paradigm": "block", "ssm_state_size": 4}}
 
 

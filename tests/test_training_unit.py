@@ -9,12 +9,8 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from kvshot_vllm.models.block import BlockDrafter
 from kvshot_vllm.models.config import TargetSpec, validated
 from kvshot_vllm.models.drafter import TargetFeatures
-from kvshot_vllm.models.eagle3 import HiddenDrafter
-from kvshot_vllm.models.hybrid import HybridDrafter
-from kvshot_vllm.models.kv_only import KVOnlyDrafter
 from kvshot_vllm.models.layers import draft_attention
 from kvshot_vllm.models.weights import init_weights
 from kvshot_vllm.training.ttt import TrainConfig, batch_order, lr_at, shifted
@@ -22,15 +18,13 @@ from kvshot_vllm.training.ttt import TrainConfig, batch_order, lr_at, shifted
 TINY = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=6,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=50,
                    rms_norm_eps=1e-6)
-KINDS = {"hidden": HiddenDrafter, "kv": KVOnlyDrafter, "hybrid": HybridDrafter,
-         "block": BlockDrafter}
 
 
 def tiny_drafter(paradigm: str, **options):
     spec = TargetSpec.from_hf_config(TINY, "tiny")
     cfg = validated({"paradigm": paradigm, "target": spec, **options})
     torch.manual_seed(0)
-    drafter = KINDS[paradigm](cfg, TINY, torch.randn(TINY.vocab_size, TINY.hidden_size))
+    drafter = cfg.spec.drafter(cfg, TINY, torch.randn(TINY.vocab_size, TINY.hidden_size))
     drafter.load_checkpoint_weights(init_weights(cfg, std=0.3))
     return drafter.eval()
 

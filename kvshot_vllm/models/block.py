@@ -22,9 +22,14 @@ import torch.nn as nn
 from kvshot_vllm.models.config import DrafterConfig
 from kvshot_vllm.models.drafter import TargetFeatures
 from kvshot_vllm.models.kv_only import KVOnlyDrafter
+from kvshot_vllm.models.registry import register_paradigm
 
 
+@register_paradigm("block", reads_target_kv=True, uses_aux_hidden=True, self_attention=False,
+                   one_block=True)
 class BlockDrafter(KVOnlyDrafter):
+    """Block-parallel (H-Spec): a whole proposal in one pass over target KV."""
+
     def __init__(self, cfg: DrafterConfig, target_hf_config, embed: torch.Tensor) -> None:
         super().__init__(cfg, target_hf_config, embed)
         h = cfg.target.hidden_size

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
 
 from kvshot_vllm.errors import KVShotError
 
-Paradigm = Literal["hidden", "kv", "hybrid", "block"]
+if TYPE_CHECKING:
+    from kvshot_vllm.models.registry import Paradigm
+
 STOCK_EAGLE3_ARCH = "Eagle3LlamaForCausalLM"
 KVSHOT_ARCH = "KVShotLlamaEagle3"
 
@@ -68,7 +71,8 @@ class DrafterConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    paradigm: Paradigm
+    # A registered paradigm (`registry.py`).
+    paradigm: str
     # EAGLE-3 self-attention layers (hidden, hybrid) or KV-reuse layers (kv).
     num_layers: int = Field(1, ge=1, le=128)
     # Target layers whose cached K/V the cross-attention reads; default: 3 uniformly spaced.
@@ -92,10 +96,26 @@ class DrafterConfig(BaseModel):
     sabotage_step: int | None = None
     target: TargetSpec
 
+    @field_validator("paradigm")
+    @classmethod
+    def _registered(cls, name: str) -> str:
+        from kvshot_vllm.models.registry import choices_message, paradigm_names
+
+        if name not in paradigm_names():
+            raise ValueError(choices_message())
+        return name
+
+    @property
+    def spec(self) -> "Paradigm":
+        """What the paradigm is (`registry.Paradigm`)."""
+        from kvshot_vllm.models.registry import paradigm
+
+        return paradigm(self.paradigm)
+
     @model_validator(mode="after")
     def _fill_and_check(self) -> "DrafterConfig":
         n = self.target.num_layers
-        if not self.kv_layers and self.paradigm != "hidden":
+        if not self.kv_layers and self.spec.reads_target_kv:
             self.kv_layers = default_layers(n, 3)
         if not self.aux_layers:
             self.aux_layers = [2, n // 2, n - 3] if n >= 6 else default_layers(n, 3)
@@ -103,13 +123,14 @@ class DrafterConfig(BaseModel):
             bad = [i for i in getattr(self, name) if not 0 <= i < n]
             if bad:
                 raise ValueError(f"{name} {bad} out of range for a target with {n} layers")
-        if self.paradigm == "hidden" and self.kv_layers:
-            raise ValueError("a hidden-only drafter reads no target KV: kv_layers must be empty")
+        if not self.spec.reads_target_kv and self.kv_layers:
+            raise ValueError(f"a {self.paradigm} drafter reads no target KV: kv_layers must be "
+                             f"empty")
         if self.kv_layer_map == "aligned" and (
                 self.paradigm != "kv" or len(self.kv_layers) != self.num_layers):
             raise ValueError("kv_layer_map 'aligned' needs a KV-only drafter with one kv_layer "
                              "per drafter layer")
-        if self.ssm_state_size and self.paradigm != "block":
+        if self.ssm_state_size and not self.spec.one_block:
             raise ValueError("ssm_state_size: the recurrent mixer belongs to block drafters")
         if self.draft_vocab_size is None:
             self.draft_vocab_size = self.target.vocab_size
@@ -126,21 +147,21 @@ class DrafterConfig(BaseModel):
 
     @property
     def reads_only_kv(self) -> bool:
-        """KV-only and block drafters: layers that attend the target's cache, no self-attention."""
-        return self.paradigm in ("kv", "block")
+        """Layers that attend the target's cache, and no self-attention (KV-only, block)."""
+        return self.spec.reads_target_kv and not self.spec.self_attention
 
     @property
     def eagle_layers(self) -> int:
         """Self-attention (EAGLE-3) layers: none in KV-only and block drafters."""
-        return 0 if self.reads_only_kv else self.num_layers
+        return self.num_layers if self.spec.self_attention else 0
 
     @property
     def uses_aux_hidden(self) -> bool:
-        return self.paradigm != "kv"
+        return self.spec.uses_aux_hidden
 
     @property
     def architecture(self) -> str:
-        return STOCK_EAGLE3_ARCH if self.paradigm == "hidden" else KVSHOT_ARCH
+        return self.spec.architecture
 
     def to_hf_config(self) -> dict:
         """config.json: vLLM's EAGLE-3 keys plus the `kvshot` block."""

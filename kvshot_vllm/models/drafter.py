@@ -7,8 +7,9 @@ what the vLLM drafter of that row would see (`layers.draft_attention`): the veri
 (target K/V of positions <= p, or the drafter's own step-0 keys of rows <= p) plus the keys this
 row produced earlier in its own chain.
 
-One module per paradigm (`eagle3.py`, `kv_only.py`, `hybrid.py`) subclasses `Drafter` and
-implements `step`; `build_drafter` picks it from the config.
+One module per paradigm (`eagle3.py`, `kv_only.py`, `hybrid.py`, `block.py`) subclasses
+`Drafter`, implements `step` and registers itself (`registry.py`); `build_drafter` builds the
+config's.
 """
 
 from __future__ import annotations
@@ -56,6 +57,12 @@ class TargetFeatures:
     input_ids: torch.Tensor  # [B, T] long
     aux_hidden: torch.Tensor | None  # [B, T, len(aux_layers) * hidden]
     target_kv: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> (K, V) [B, KVH, T, d]
+
+    def to(self, device: torch.device | str) -> "TargetFeatures":
+        return TargetFeatures(
+            self.input_ids.to(device),
+            None if self.aux_hidden is None else self.aux_hidden.to(device),
+            {layer: (k.to(device), v.to(device)) for layer, (k, v) in self.target_kv.items()})
 
 
 class Rope(nn.Module):
@@ -227,9 +234,10 @@ class Drafter(nn.Module):
 
     def checkpoint_weights(self) -> dict[str, torch.Tensor]:
         """Tensors under the checkpoint names of `weights.expected_shapes`."""
-        weights = {n: p.detach() for n, p in self.named_parameters() if not n.startswith("rope.")}
+        weights = {n: p.detach().cpu() for n, p in self.named_parameters()
+                   if not n.startswith("rope.")}
         if self.cfg.draft_vocab_size != self.cfg.target.vocab_size:
-            weights["d2t"] = self.d2t
+            weights["d2t"] = self.d2t.cpu()
         return weights
 
     def load_checkpoint_weights(self, weights: dict[str, torch.Tensor]) -> None:
@@ -249,17 +257,11 @@ def build_drafter(cfg: DrafterConfig, target_dir: Path) -> Drafter:
     """The training-side drafter of `cfg.paradigm` for the target in `target_dir`."""
     from transformers import AutoConfig
 
-    from kvshot_vllm.models.block import BlockDrafter
-    from kvshot_vllm.models.eagle3 import HiddenDrafter
-    from kvshot_vllm.models.hybrid import HybridDrafter
-    from kvshot_vllm.models.kv_only import KVOnlyDrafter
     from kvshot_vllm.models.weights import target_embedding
 
     check_fits_target(cfg, target_spec(target_dir))
-    kinds: dict[str, type[Drafter]] = {"hidden": HiddenDrafter, "kv": KVOnlyDrafter,
-                                       "hybrid": HybridDrafter, "block": BlockDrafter}
-    return kinds[cfg.paradigm](cfg, AutoConfig.from_pretrained(target_dir),
-                               target_embedding(target_dir))
+    return cfg.spec.drafter(cfg, AutoConfig.from_pretrained(target_dir),
+                            target_embedding(target_dir))
 
 
 

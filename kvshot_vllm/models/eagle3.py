@@ -13,6 +13,7 @@ import torch.nn as nn
 from kvshot_vllm.models.config import DrafterConfig, TargetSpec
 from kvshot_vllm.models.drafter import ChainKV, DraftAttention, Drafter, TargetFeatures
 from kvshot_vllm.models.layers import RMSNorm, SwiGLU
+from kvshot_vllm.models.registry import register_paradigm
 
 
 class EagleLayer(nn.Module):
@@ -41,8 +42,12 @@ class EagleLayer(nn.Module):
         return self.mlp(self.post_attention_layernorm(residual)), residual
 
 
+@register_paradigm("hidden", reads_target_kv=False, uses_aux_hidden=True, self_attention=True)
 class HiddenDrafter(Drafter):
+    """Hidden-only (EAGLE-3): fused target hidden states, self-attention over its own KV."""
+
     first_step_needs_all_rows = True
+
     def __init__(self, cfg: DrafterConfig, target_hf_config, embed: torch.Tensor) -> None:
         super().__init__(cfg, target_hf_config, embed)
         h = cfg.target.hidden_size

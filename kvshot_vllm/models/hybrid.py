@@ -11,9 +11,13 @@ from kvshot_vllm.models.drafter import cross_attention
 from kvshot_vllm.models.eagle3 import HiddenDrafter
 from kvshot_vllm.models.kv_only import cross_attend
 from kvshot_vllm.models.layers import GatedDelta
+from kvshot_vllm.models.registry import register_paradigm
 
 
+@register_paradigm("hybrid", reads_target_kv=True, uses_aux_hidden=True, self_attention=True)
 class HybridDrafter(HiddenDrafter):
+    """Hybrid (KVShot): EAGLE-3 plus a gated cross-attention correction over target KV."""
+
     def __init__(self, cfg: DrafterConfig, target_hf_config, embed: torch.Tensor) -> None:
         super().__init__(cfg, target_hf_config, embed)
         h = cfg.target.hidden_size

@@ -11,6 +11,7 @@ from kvshot_vllm.models.config import DrafterConfig
 from kvshot_vllm.models.drafter import (ChainKV, DraftAttention, Drafter, TargetFeatures,
                                         cross_attention)
 from kvshot_vllm.models.layers import RMSNorm, SelectiveScan, SwiGLU
+from kvshot_vllm.models.registry import register_paradigm
 
 
 def cross_attend(cross: DraftAttention, x: torch.Tensor, positions: torch.Tensor, rope_fn,
@@ -32,7 +33,10 @@ class KVLayer(nn.Module):
         self.ssm = SelectiveScan(h, cfg.ssm_state_size, eps) if cfg.ssm_state_size else None
 
 
+@register_paradigm("kv", reads_target_kv=True, uses_aux_hidden=False, self_attention=False)
 class KVOnlyDrafter(Drafter):
+    """KV-only: cross-attention over the target's cached K/V, no target hidden state."""
+
     def __init__(self, cfg: DrafterConfig, target_hf_config, embed: torch.Tensor) -> None:
         super().__init__(cfg, target_hf_config, embed)
         self.reads = cfg.layer_reads()

@@ -52,7 +52,7 @@ def expected_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
     if cfg.draft_vocab_size != t.vocab_size:
         shapes["d2t"] = (cfg.draft_vocab_size,)
     if cfg.reads_only_kv:
-        if cfg.paradigm == "block":  # conditioning on the last verified hidden state
+        if cfg.spec.one_block:  # conditioning on the last verified hidden state
             shapes |= {"fc.weight": (h, len(cfg.aux_layers) * h), "mask_embed": (h,)}
         for i, reads in enumerate(cfg.layer_reads()):
             p = f"kv_layers.{i}"
@@ -73,7 +73,7 @@ def expected_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
                    f"{p}.self_attn.o_proj.weight": (h, heads * d)}
         shapes |= _mlp(f"{p}.mlp", h, t.intermediate_size)
     shapes["layers.0.hidden_norm.weight"] = (h,)
-    if cfg.paradigm == "hybrid":
+    if cfg.spec.reads_target_kv:  # the hybrid's correction of its first attention
         shapes |= _cross("cross", t, len(cfg.kv_layers), 2 * h, cfg.kv_projection == "linear")
         shapes |= {"merge.delta_proj.weight": (h, h), "merge.gate": (h,)}
     return shapes

@@ -108,9 +108,12 @@ def block_layout(seq_lens: torch.Tensor, block_table: torch.Tensor, k: int, bloc
 
 def block_rows(vllm_config) -> int:
     """Rows per proposal that a block drafter computes in draft pass 0; 0 for other drafters."""
+    from kvshot_vllm.models.registry import paradigm
+
     spec = vllm_config.speculative_config
     kvshot = getattr(spec.draft_model_config.hf_config, "kvshot", None) if spec else None
-    return spec.num_speculative_tokens if (kvshot or {}).get("paradigm") == "block" else 0
+    one_block = kvshot is not None and paradigm(kvshot["paradigm"]).one_block
+    return spec.num_speculative_tokens if one_block else 0
 
 
 @cache

@@ -202,7 +202,7 @@ class KVShotEagle3LlamaForCausalLM(VerifiedEagle3LlamaForCausalLM):
             self.kv_layers = nn.ModuleList(
                 KVLayer(target, r, start, self.rope, cache_config, cfg.ssm_state_size)
                 for r, start in zip(reads, starts))
-            if cfg.paradigm == "block":
+            if cfg.spec.one_block:
                 self.mask_embed = nn.Parameter(torch.zeros(target.hidden_size))
                 self.block_rows = block_rows(vllm_config)
                 self._max_len = vllm_config.model_config.max_model_len
@@ -229,13 +229,14 @@ class KVShotEagle3LlamaForCausalLM(VerifiedEagle3LlamaForCausalLM):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 hidden_states: torch.Tensor, inputs_embeds: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.kvshot.paradigm == "block" and self._draft_step > 0:
+        one_block = self.kvshot.spec.one_block
+        if one_block and self._draft_step > 0:
             return self._block_row(positions.shape[0])
         if inputs_embeds is None:
             inputs_embeds = self.model.embed_input_ids(input_ids)
-        if self.kvshot.paradigm == "hybrid":
+        if self.kvshot.spec.self_attention:
             return self._hybrid_forward(inputs_embeds, positions, hidden_states)
-        if self.kvshot.paradigm == "block":
+        if one_block:
             return self._block_forward(inputs_embeds, positions, hidden_states)
         x = inputs_embeds
         for layer in self.kv_layers:

@@ -64,7 +64,8 @@ def sequences(dataset_dir: Path, split: str, max_len: int) -> list[tuple[str, li
 def target_forward(model, ids: list[int], spec: FeatureSpec) -> dict[str, torch.Tensor]:
     """One sequence's features (see the module docstring), in `spec.dtype`."""
     dtype = DTYPES[spec.dtype]
-    out = model(torch.tensor([ids]), output_hidden_states=True, use_cache=True)
+    out = model(torch.tensor([ids], device=model.device), output_hidden_states=True,
+                use_cache=True)
     # hidden_states[L] is the input of layer L, which is what vLLM collects as aux layer L.
     feats = {"labels": out.logits[0].float().argmax(-1).to(torch.int32),
              "aux": torch.cat([out.hidden_states[i][0] for i in spec.aux_layers], -1).to(dtype)}
@@ -73,12 +74,13 @@ def target_forward(model, ids: list[int], spec: FeatureSpec) -> dict[str, torch.
         k, v = cache.layers[layer].keys, cache.layers[layer].values  # [1, KVH, T, d]
         feats[f"k.{layer}"] = k[0].transpose(0, 1).to(dtype).contiguous()
         feats[f"v.{layer}"] = v[0].transpose(0, 1).to(dtype).contiguous()
-    return feats
+    return {name: t.cpu() for name, t in feats.items()}
 
 
 def extract_features(target_dir: Path, dataset_dir: Path, split: str, out_root: Path,
-                     spec: FeatureSpec) -> Path:
-    """Features of every sequence of `split`, under `out_root/spec.dir_name(split)`."""
+                     spec: FeatureSpec, device: str = "cpu") -> Path:
+    """Features of every sequence of `split`, under `out_root/spec.dir_name(split)`, with the
+    target's forward on `device`."""
     from safetensors.torch import save_file
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
@@ -104,7 +106,7 @@ def extract_features(target_dir: Path, dataset_dir: Path, split: str, out_root: 
         for i in todo:
             if model is None:
                 model = AutoModelForCausalLM.from_pretrained(
-                    target_dir, dtype=DTYPES[spec.forward_dtype])
+                    target_dir, dtype=DTYPES[spec.forward_dtype]).to(device)
                 model.eval()
             parts = [target_forward(model, ids, spec) for _, ids, _ in shards[i]]
             tensors = {name: torch.cat([p[name] for p in parts]) for name in parts[0]}

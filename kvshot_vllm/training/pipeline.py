@@ -27,12 +27,13 @@ def feature_spec(target_dir: Path, kv_layers: list[int] | None = None,
 
 
 def features_for(data_dir: Path, target_dir: Path, dataset: Path, split: str,
-                 spec: FeatureSpec) -> FeatureSet:
-    """The cached features of `split`, extracted first if missing or unfinished."""
+                 spec: FeatureSpec, device: str = "cpu") -> FeatureSet:
+    """The cached features of `split`, extracted first (on `device`) if missing or
+    unfinished."""
     root = data_dir / "features" / Path(dataset).name
     path = root / spec.dir_name(split)
     if not (path / "manifest.json").is_file():
-        extract_features(target_dir, dataset, split, root, spec)
+        extract_features(target_dir, dataset, split, root, spec, device)
     return FeatureSet(path)
 
 
@@ -61,12 +62,12 @@ def drafter_config(target_dir: Path, cfg: TrainConfig, init: Path | None = None,
 
 def train(data_dir: Path, target_dir: Path, dataset: Path, run_dir: Path, cfg: TrainConfig,
           init: Path | None = None, progress: bool = True, forward_dtype: str = "float32",
-          **options) -> Path:
+          device: str = "cpu", **options) -> Path:
     dcfg = drafter_config(target_dir, cfg, init, **options)
     spec = feature_spec(target_dir, sorted(set(dcfg.kv_layers) | set(default_layers(
         dcfg.target.num_layers, 3))), forward_dtype=forward_dtype)
-    features = features_for(data_dir, target_dir, dataset, "train", spec)
-    trainer = Trainer(run_dir, dcfg, cfg, target_dir, features, init=init)
+    features = features_for(data_dir, target_dir, dataset, "train", spec, device)
+    trainer = Trainer(run_dir, dcfg, cfg, target_dir, features, init=init, device=device)
     if trainer.fresh is not None:
         print(f"warm start from {init}: fresh {', '.join(sorted({n.split('.')[0] for n in trainer.fresh})) or 'nothing'}")
     return trainer.train(progress=progress)

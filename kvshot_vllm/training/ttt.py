@@ -166,7 +166,7 @@ def gate_stats(drafter: Drafter) -> dict[str, float] | None:
     merge = getattr(drafter, "merge", None)
     if merge is None:
         return None
-    g = merge.gate.detach().float()
+    g = merge.gate.detach().float().cpu()
     q = torch.quantile(g, torch.tensor([0.1, 0.5, 0.9]))
     return {"mean": float(g.mean()), "abs_mean": float(g.abs().mean()), "p10": float(q[0]),
             "p50": float(q[1]), "p90": float(q[2])}
@@ -248,8 +248,10 @@ def warm_start(drafter: Drafter, checkpoint: Path) -> list[str]:
 
 class Trainer:
     def __init__(self, run_dir: Path, drafter_cfg: DrafterConfig, cfg: TrainConfig,
-                 target_dir: Path, features: FeatureSet, init: Path | None = None) -> None:
+                 target_dir: Path, features: FeatureSet, init: Path | None = None,
+                 device: str = "cpu") -> None:
         self.run_dir, self.cfg, self.features = Path(run_dir), cfg, features
+        self.device = torch.device(device)
         features.check_layers(drafter_cfg.aux_layers, drafter_cfg.kv_layers,
                               drafter_cfg.uses_aux_hidden)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -269,12 +271,15 @@ class Trainer:
         vd = drafter_cfg.draft_vocab_size
         self.t2d = torch.full((drafter_cfg.target.vocab_size,), -1, dtype=torch.long)
         self.t2d[self.drafter.target_ids(torch.arange(vd))] = torch.arange(vd)
+        # The run's state is device-free (state.pt loads anywhere): a run may resume on another.
+        self.drafter.to(self.device)
+        self.t2d = self.t2d.to(self.device)
         self.opt = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.lr,
                                      weight_decay=cfg.weight_decay)
         self.step = 0
         self.state_file = self.run_dir / "state.pt"
         if self.state_file.exists():
-            state = torch.load(self.state_file, weights_only=True)
+            state = torch.load(self.state_file, weights_only=True, map_location=self.device)
             self.drafter.load_state_dict(state["model"])
             self.opt.load_state_dict(state["optimizer"])
             self.step = state["step"]
@@ -301,9 +306,9 @@ class Trainer:
     def autocast(self) -> bool:
         if self.cfg.autocast is not None:
             return self.cfg.autocast
-        from kvshot_vllm.engine import cpu_has_native_bf16, on_cpu
+        from kvshot_vllm.engine import cpu_has_native_bf16
 
-        return not on_cpu() or cpu_has_native_bf16()
+        return self.device.type != "cpu" or cpu_has_native_bf16()
 
     def save(self) -> None:
         """state.pt and the servable checkpoint, each written beside and renamed."""
@@ -340,7 +345,6 @@ class Trainer:
             return self.run_dir / "checkpoint"
         stop = {"signal": None}
         previous = signal.signal(signal.SIGTERM, lambda s, f: stop.update(signal=s))
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
         window: list[tuple[float, list[float], dict[str, float]]] = []
         start, first_step = time.perf_counter(), self.step
         lengths = [self.features.length(i) for i in range(len(self.features))]
@@ -353,7 +357,10 @@ class Trainer:
                 feats, labels, trainable = self.features.batch(
                     batch_order(lengths, cfg, self.step), self.drafter.cfg.kv_layers,
                     self.drafter.cfg.uses_aux_hidden)
-                with torch.autocast(device_type, dtype=torch.bfloat16, enabled=self.autocast()):
+                feats, labels, trainable = (feats.to(self.device), labels.to(self.device),
+                                            trainable.to(self.device))
+                with torch.autocast(self.device.type, dtype=torch.bfloat16,
+                                    enabled=self.autocast()):
                     loss, accs = ttt_loss(self.drafter, feats, labels, trainable, cfg, self.t2d)
                 self.opt.zero_grad(set_to_none=True)
                 loss.backward()
@@ -393,7 +400,8 @@ class Trainer:
         return {"step": self.step, "loss": sum(w[0] for w in window) / n, "acc": accs,
                 "lr": lr_at(self.step - 1, self.cfg), "grad_rms": grads,
                 "gate": gate_stats(self.drafter),
-                "s_per_step": elapsed / max(1, self.step - first_step)}
+                "s_per_step": elapsed / max(1, self.step - first_step),
+                "device": str(self.device)}
 
 
 def _stored_run(run_file: Path) -> dict:
