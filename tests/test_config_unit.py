@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 
 from kvshot_vllm.errors import KVShotError
 from kvshot_vllm.models.config import TargetSpec, default_layers, load_drafter_config, validated
+from kvshot_vllm.models.registry import choices_message
 from kvshot_vllm.models.weights import (check_drafter_weights, expected_shapes, init_weights,
                                         save_checkpoint)
 
@@ -30,7 +31,7 @@ def test_defaults_follow_kvshot() -> None:
 @pytest.mark.parametrize("fields, message", [
     ({"paradigm": "kv", "kv_layers": [3, 30]}, "kv_layers [30] out of range for a target with 30 layers"),
     ({"paradigm": "hidden", "kv_layers": [1]}, "reads no target KV"),
-    ({"paradigm": "mystery"}, "paradigm: Input should be 'hidden', 'kv', 'hybrid' or 'block'"),
+    ({"paradigm": "mystery"}, f"paradigm: {choices_message()}"),
     ({"paradigm": "kv", "kv_layer_map": "aligned"}, "one kv_layer per drafter layer"),
     ({"paradigm": "kv", "draft_vocab_size": 60000}, "draft_vocab_size 60000"),
     ({"paradigm": "kv", "ssm_state_size": 8}, "the recurrent mixer belongs to block drafters"),

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from kvshot_vllm.models.config import load_drafter_config
 from kvshot_vllm.models.oracle import build_oracle
-from kvshot_vllm.models.registry import paradigm_names
+from kvshot_vllm.models.registry import choices_message, paradigm_names
 from kvshot_vllm.models.weights import init_checkpoint
 from kvshot_vllm.server import VLLMServer, free_port, serve_command
 
@@ -222,7 +222,7 @@ BAD_CONFIGS = {
     "layer-out-of-range": (lambda c: c["kvshot"].update(kv_layers=[3, 40]),
                            "kv_layers [40] out of range for a target with 30 layers"),
     "unknown-paradigm": (lambda c: c["kvshot"].update(paradigm="bogus"),
-                         "paradigm: Input should be 'hidden', 'kv', 'hybrid' or 'block'"),
+                         f"paradigm: {choices_message()}"),
 }
 
 

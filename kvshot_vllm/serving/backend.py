@@ -12,16 +12,42 @@ so scheduling metadata is still computed by the backend itself, for the adjusted
 subclass also gives the cross layers their own attention group in the proposer.
 
 For a block drafter, draft pass 0 also gets the metadata of its whole block (`_build_block`).
+The contract between this builder and the drafter layers is `DraftKVPlan`
+(docs/architecture.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from functools import cache
+from typing import Any
 
 import torch
 
 PAD_SLOT = -1
+
+
+@dataclasses.dataclass
+class DraftKVPlan:
+    """What a KV-reuse layer needs, beyond vLLM's attention metadata, in one draft pass.
+
+    Row p of a pass carries the token at position p + 1 and attends keys [0, p + 1]. Exactly
+    one row per request carries a token whose K/V is not in the cache (the bonus token, a
+    draft, or a block row): the layer writes that row's own K/V at its slot, then attends.
+    """
+
+    write_rows: torch.Tensor  # [n] long: per request, the index of that row in the pass
+    write_slots: torch.Tensor  # [n] long: its cache slot (position S - 1), PAD_SLOT past the
+    #                            model length, where vLLM allocated nothing
+    # Pass 0 of a one-block drafter: the metadata of its whole block (`block_layout`), whose
+    # own plan writes every block row.
+    block: Any | None = None
+
+
+def draft_plan(metadata: Any) -> DraftKVPlan | None:
+    """The plan attached to a layer's attention metadata by `DraftKVBuilderMixin`; None for
+    metadata that this builder did not make (dummy and profile runs)."""
+    return getattr(metadata, "kvshot_plan", None)
 
 
 def draft_lengths(seq_lens: torch.Tensor, step0_seq_lens: torch.Tensor | None,
@@ -66,13 +92,13 @@ class DraftKVBuilderMixin:
         seq_lens = seq_lens.to(cad.seq_lens.dtype)
         cad = dataclasses.replace(cad, seq_lens=seq_lens, max_seq_len=int(seq_lens.max()) if n else 0)
         md = self.build(common_prefix_len=0, common_attn_metadata=cad, fast_build=True)
-        md.kvshot_write_slots = write_slots(
-            cad.block_table_tensor[:n], seq_lens, self.kv_cache_spec.block_size,
-            self.vllm_config.model_config.max_model_len)
-        md.kvshot_write_rows = cad.query_start_loc[1 : n + 1].long() - 1
         rows = block_rows(self.vllm_config)
-        if draft_index == 0 and rows:
-            md.kvshot_block = self._build_block(cad, rows)
+        md.kvshot_plan = DraftKVPlan(
+            write_rows=cad.query_start_loc[1 : n + 1].long() - 1,
+            write_slots=write_slots(cad.block_table_tensor[:n], seq_lens,
+                                    self.kv_cache_spec.block_size,
+                                    self.vllm_config.model_config.max_model_len),
+            block=self._build_block(cad, rows) if draft_index == 0 and rows else None)
         return md
 
     def _build_block(self, cad, k: int):
@@ -88,8 +114,8 @@ class DraftKVBuilderMixin:
             seq_lens_cpu_upper_bound=None if cad.seq_lens_cpu_upper_bound is None
             else lens.cpu())
         md = self.build(common_prefix_len=0, common_attn_metadata=block, fast_build=True)
-        md.kvshot_write_slots = slots
-        md.kvshot_write_rows = torch.arange(n * k, device=slots.device)
+        md.kvshot_plan = DraftKVPlan(write_rows=torch.arange(n * k, device=slots.device),
+                                     write_slots=slots)
         return md
 
 

@@ -6,7 +6,7 @@ p + 1 = q) over keys [0, q]:
     target K/V of verified tokens   read in place from the target layer's paged cache
     draft K/V of the others         the drafter's own projections (bonus token, drafts)
 
-Design choice (a) of ARCHITECTURE.md: the drafter writes its own K/V into the *target* layer's
+Design choice (a) of docs/architecture.md: the drafter writes its own K/V into the *target* layer's
 cache at speculative slots, then one call of vLLM's attention op covers both parts. In each
 draft forward exactly one row per request carries a token that is not verified: the last one
 (step 0: the bonus token, or in the padded drafter batch a token past the scheduled ones; step
@@ -40,7 +40,8 @@ from kvshot_vllm.errors import KVShotError
 from kvshot_vllm.models.config import TargetSpec, load_drafter_config
 from kvshot_vllm.models.layers import GatedDelta, SelectiveScan, SwiGLU
 from kvshot_vllm.models.weights import check_drafter_weights, verify_checkpoint
-from kvshot_vllm.serving.backend import block_rows, draft_kv_backend, platform_backend
+from kvshot_vllm.serving.backend import (block_rows, draft_kv_backend, draft_plan,
+                                         platform_backend)
 from kvshot_vllm.serving.checks import check_against_target
 
 # Under the "vllm." namespace: loggers outside it are silent in vLLM worker processes.
@@ -94,26 +95,26 @@ class TargetKVAttention(nn.Module):
         unused_kv = x.new_zeros(t, self.num_kv_heads * self.head_dim)
         outs = []
         for s, attn in enumerate(self.attn):
-            md = _metadata(attn.layer_name)
-            if md is not None and hasattr(md, "kvshot_write_slots"):
-                rows = md.kvshot_write_rows
+            plan = draft_plan(_metadata(attn.layer_name))
+            if plan is not None:
+                rows = plan.write_rows
                 attn.impl.do_kv_cache_update(attn, k[rows, s].contiguous(),
                                              v[rows, s].contiguous(), attn.kv_cache,
-                                             md.kvshot_write_slots)
+                                             plan.write_slots)
             outs.append(attn(q[:, s], unused_kv, unused_kv))
         return self.o_proj(torch.cat(outs, dim=-1))
 
 
 @contextmanager
 def _block_metadata(layer_names: list[str]) -> Iterator[None]:
-    """Inside: these layers attend with their metadata's `kvshot_block` (`backend.py`)."""
+    """Inside: these layers attend with their plan's whole-block metadata (`backend.py`)."""
     if not layer_names:
         yield
         return
     mds = get_forward_context().attn_metadata
     mds = mds[0] if isinstance(mds, list) else mds
     saved = {name: mds[name] for name in layer_names}
-    mds.update({name: md.kvshot_block for name, md in saved.items()})
+    mds.update({name: draft_plan(md).block for name, md in saved.items()})
     try:
         yield
     finally:
@@ -251,18 +252,18 @@ class KVShotEagle3LlamaForCausalLM(VerifiedEagle3LlamaForCausalLM):
         Passes 1.. hand its rows out (`_block_row`). vLLM's own one-pass proposers
         (parallel_drafting, dflash) prepare their inputs with Triton kernels, which vLLM's CPU
         build lacks, so the block rides on the EAGLE-3 proposer."""
-        md = _metadata(self.kv_layers[0].cross.attn[0].layer_name)
-        # Profile and dummy runs have no metadata: every row is a one-row block there.
-        last = (md.kvshot_write_rows if md is not None
+        plan = draft_plan(_metadata(self.kv_layers[0].cross.attn[0].layer_name))
+        # Profile and dummy runs have no plan: every row is a one-row block there.
+        last = (plan.write_rows if plan is not None
                 else torch.arange(positions.shape[0], device=positions.device))
-        k = self.block_rows if md is not None else 1
+        k = self.block_rows if plan is not None else 1
         n, h = last.shape[0], embeds.shape[-1]
         cond = hidden_states[last]  # [n, hidden]
         rows = torch.cat([embeds[last].unsqueeze(1), self.mask_embed.expand(n, k - 1, h)], 1)
         x = (rows + cond.unsqueeze(1)).flatten(0, 1)  # [n * k, hidden]
         pos = (positions[last].unsqueeze(1) + torch.arange(k, device=positions.device))
         pos = torch.where(pos < self._max_len, pos, torch.zeros_like(pos)).flatten()
-        with _block_metadata(self._cross_layer_names() if md is not None else []):
+        with _block_metadata(self._cross_layer_names() if plan is not None else []):
             for layer in self.kv_layers:
                 x = layer(x, pos, cond)
         self._block = self.model.norm(x).view(n, k, h)
