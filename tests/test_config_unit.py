@@ -63,7 +63,7 @@ def test_checkpoint_round_trip(paradigm: str, options: dict, tmp_path: Path) -> 
     assert not (tmp_path / f"{paradigm}.partial").exists()
 
 
-def test_missing_or_misshapen_weight() -> None:
+def test_missing_misshapen_or_unknown_weight() -> None:
     cfg = validated({"paradigm": "hybrid", "target": SMOL})
     weights = init_weights(cfg)
     del weights["merge.gate"]
@@ -72,6 +72,9 @@ def test_missing_or_misshapen_weight() -> None:
     weights = init_weights(cfg)
     weights["cross.q_proj.weight"] = weights["cross.q_proj.weight"][:10]
     with pytest.raises(KVShotError, match="cross.q_proj.weight"):
+        check_drafter_weights(cfg, weights)
+    weights = init_weights(cfg) | {"cross2.q_proj.weight": weights["cross.q_proj.weight"]}
+    with pytest.raises(KVShotError, match="'cross2.q_proj.weight', which no hybrid drafter owns"):
         check_drafter_weights(cfg, weights)
 
 

@@ -1,5 +1,5 @@
-"""Weight names and shapes of every drafter paradigm: one table used to initialise, check, save
-and load checkpoints, by the trainer and by the vLLM drafters alike.
+"""Weight names and shapes of every drafter paradigm, declared by its training-side module: used
+to initialise, check, save and load checkpoints, by the trainer and by the vLLM drafters alike.
 
 Names follow EAGLE-3 checkpoints (`fc`, `layers.N.self_attn.q_proj`, `norm`, `lm_head`, `d2t`),
 which vLLM's EAGLE-3 loader reads; the KV-reuse parts add `kv_layers.N.*` (KV-only) and
@@ -18,64 +18,24 @@ from kvshot_vllm.errors import KVShotError
 from kvshot_vllm.models.config import DrafterConfig, TargetSpec, validated
 
 
-def _mlp(prefix: str, h: int, inter: int) -> dict[str, tuple[int, ...]]:
-    return {f"{prefix}.gate_proj.weight": (inter, h), f"{prefix}.up_proj.weight": (inter, h),
-            f"{prefix}.down_proj.weight": (h, inter)}
-
-
-def _ssm(prefix: str, h: int, n: int) -> dict[str, tuple[int, ...]]:
-    return {f"{prefix}.norm.weight": (h,), f"{prefix}.in_proj.weight": (2 * h, h),
-            f"{prefix}.x_proj.weight": (h + 2 * n, h), f"{prefix}.A_log": (h, n),
-            f"{prefix}.D": (h,), f"{prefix}.init_proj.weight": (h * n, h),
-            f"{prefix}.out_proj.weight": (h, h)}
-
-
-def _cross(prefix: str, t: TargetSpec, s: int, in_size: int,
-           linear: bool) -> dict[str, tuple[int, ...]]:
-    """head_concat: s attentions side by side. linear: the s layers' K/V merged into one K/V by
-    k_merge / v_merge, then one attention."""
-    groups = 1 if linear else s
-    q, kv = groups * t.num_attention_heads * t.head_dim, groups * t.num_kv_heads * t.head_dim
-    shapes = {f"{prefix}.q_proj.weight": (q, in_size), f"{prefix}.k_proj.weight": (kv, in_size),
-              f"{prefix}.v_proj.weight": (kv, in_size),
-              f"{prefix}.o_proj.weight": (t.hidden_size, q)}
-    if linear:
-        shapes |= {f"{prefix}.k_merge.weight": (kv, s * kv), f"{prefix}.v_merge.weight": (kv, s * kv)}
-    return shapes
-
-
 def expected_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
+    """Checkpoint names and shapes: the parameters of the paradigm's own module (built on the
+    meta device, which allocates nothing), plus d2t where the draft vocabulary is reduced. So
+    the modules declare their weights, and a checkpoint holds exactly what they own."""
+    from transformers import LlamaConfig
+
     t = cfg.target
-    h, heads, kv_heads, d = t.hidden_size, t.num_attention_heads, t.num_kv_heads, t.head_dim
-    shapes: dict[str, tuple[int, ...]] = {"norm.weight": (h,),
-                                          "lm_head.weight": (cfg.draft_vocab_size, h)}
+    shape_only = LlamaConfig(
+        hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
+        num_hidden_layers=t.num_layers, num_attention_heads=t.num_attention_heads,
+        num_key_value_heads=t.num_kv_heads, head_dim=t.head_dim, vocab_size=t.vocab_size,
+        rms_norm_eps=t.rms_norm_eps,
+        rope_parameters={"rope_theta": t.rope_theta, "rope_type": "default"})
+    with torch.device("meta"):
+        drafter = cfg.spec.drafter(cfg, shape_only, torch.empty(t.vocab_size, t.hidden_size))
+    shapes = {name: tuple(p.shape) for name, p in drafter.named_parameters()}
     if cfg.draft_vocab_size != t.vocab_size:
         shapes["d2t"] = (cfg.draft_vocab_size,)
-    if cfg.reads_only_kv:
-        if cfg.spec.one_block:  # conditioning on the last verified hidden state
-            shapes |= {"fc.weight": (h, len(cfg.aux_layers) * h), "mask_embed": (h,)}
-        for i, reads in enumerate(cfg.layer_reads()):
-            p = f"kv_layers.{i}"
-            shapes |= {f"{p}.input_norm.weight": (h,), f"{p}.post_norm.weight": (h,)}
-            shapes |= _cross(f"{p}.cross", t, len(reads), h, cfg.kv_projection == "linear")
-            shapes |= _mlp(f"{p}.mlp", h, t.intermediate_size)
-            if cfg.ssm_state_size:
-                shapes |= _ssm(f"{p}.ssm", h, cfg.ssm_state_size)
-        return shapes
-    shapes["fc.weight"] = (h, len(cfg.aux_layers) * h)
-    for i in range(cfg.num_layers):
-        p = f"layers.{i}"
-        in_size = 2 * h if i == 0 else h
-        shapes |= {f"{p}.input_layernorm.weight": (h,), f"{p}.post_attention_layernorm.weight": (h,),
-                   f"{p}.self_attn.q_proj.weight": (heads * d, in_size),
-                   f"{p}.self_attn.k_proj.weight": (kv_heads * d, in_size),
-                   f"{p}.self_attn.v_proj.weight": (kv_heads * d, in_size),
-                   f"{p}.self_attn.o_proj.weight": (h, heads * d)}
-        shapes |= _mlp(f"{p}.mlp", h, t.intermediate_size)
-    shapes["layers.0.hidden_norm.weight"] = (h,)
-    if cfg.spec.reads_target_kv:  # the hybrid's correction of its first attention
-        shapes |= _cross("cross", t, len(cfg.kv_layers), 2 * h, cfg.kv_projection == "linear")
-        shapes |= {"merge.delta_proj.weight": (h, h), "merge.gate": (h,)}
     return shapes
 
 
@@ -107,8 +67,14 @@ def init_weights(cfg: DrafterConfig, seed: int = 0, std: float = 0.02,
 
 
 def check_drafter_weights(cfg: DrafterConfig, weights: dict[str, torch.Tensor]) -> None:
-    """Every expected tensor present with its shape; a clear error otherwise."""
-    for name, shape in expected_shapes(cfg).items():
+    """Every expected tensor present with its shape, and no other; a clear error otherwise."""
+    expected = expected_shapes(cfg)
+    unknown = sorted(set(weights) - set(expected))
+    if unknown:
+        raise KVShotError(f"drafter checkpoint has weight {unknown[0]!r}, which no "
+                          f"{cfg.paradigm} drafter owns" + (f" (and {len(unknown) - 1} more)"
+                                                            if len(unknown) > 1 else ""))
+    for name, shape in expected.items():
         if name not in weights:
             raise KVShotError(f"drafter checkpoint is missing weight {name!r} "
                               f"(paradigm {cfg.paradigm})")

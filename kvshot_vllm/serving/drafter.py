@@ -187,6 +187,7 @@ class KVShotEagle3LlamaForCausalLM(VerifiedEagle3LlamaForCausalLM):
             raise KVShotError(f"{vllm_config.speculative_config.draft_model_config.model}: a "
                               f"KVShotLlamaEagle3 checkpoint without its 'kvshot' block")
         cfg, target = self.kvshot, self.kvshot.target
+        stock = {name for name, _ in self.named_children()}
         cache_config = get_current_vllm_config().cache_config
         # The served target's own RoPE (scaling included, e.g. Llama-3.1's), so that drafter
         # queries and keys rotate exactly like the cached target keys they meet.
@@ -212,6 +213,9 @@ class KVShotEagle3LlamaForCausalLM(VerifiedEagle3LlamaForCausalLM):
             self.cross = TargetKVAttention(2 * target.hidden_size, target, cfg.kv_layers,
                                            first_index, self.rope, cache_config)
             self.merge = GatedDelta(target.hidden_size, cfg.gate_init)
+        # What this class adds to vLLM's EAGLE-3 model: loaded here by name, the rest by
+        # vLLM's loader, which knows the EAGLE-3 names.
+        self._own_modules = {name for name, _ in self.named_children()} - stock - {"rope"}
         self._draft_step = 0  # which draft position compute_logits is making
         self._proposals = 0
         if not vllm_config.speculative_config.disable_padded_drafter_batch:
@@ -310,9 +314,9 @@ class KVShotEagle3LlamaForCausalLM(VerifiedEagle3LlamaForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         weights = dict(weights)
         check_drafter_weights(self.kvshot, weights)
-        ours = {n: w for n, w in weights.items()
-                if n.split(".")[0] in ("kv_layers", "cross", "merge", "mask_embed")}
         params = dict(self.named_parameters())
+        ours = {n: w for n, w in weights.items()
+                if n.split(".")[0] in self._own_modules or "." not in n and n in params}
         for name, w in ours.items():
             with torch.no_grad():
                 params[name].copy_(w.to(params[name].dtype))
