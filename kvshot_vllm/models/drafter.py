@@ -7,7 +7,7 @@ what the vLLM drafter of that row would see (`layers.draft_attention`): the veri
 (target K/V of positions <= p, or the drafter's own step-0 keys of rows <= p) plus the keys this
 row produced earlier in its own chain.
 
-One module per paradigm (`eagle3.py`, `kv_only.py`, `hybrid.py`, `block.py`) subclasses
+One module per paradigm (`hidden.py`, `kv_only.py`, `hybrid.py`, `block.py`) subclasses
 `Drafter`, implements `step` and registers itself (`registry.py`); `build_drafter` builds the
 config's.
 """

@@ -8,7 +8,7 @@ import torch
 
 from kvshot_vllm.models.config import DrafterConfig
 from kvshot_vllm.models.drafter import cross_attention
-from kvshot_vllm.models.eagle3 import HiddenDrafter
+from kvshot_vllm.models.hidden import HiddenDrafter
 from kvshot_vllm.models.kv_only import cross_attend
 from kvshot_vllm.models.layers import GatedDelta
 from kvshot_vllm.models.registry import register_paradigm

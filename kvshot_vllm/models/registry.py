@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from kvshot_vllm.models.drafter import Drafter
 
 # The modules whose import registers the built-in paradigms, in the order they are listed.
-PARADIGM_MODULES = ("kvshot_vllm.models.eagle3", "kvshot_vllm.models.kv_only",
+PARADIGM_MODULES = ("kvshot_vllm.models.hidden", "kvshot_vllm.models.kv_only",
                     "kvshot_vllm.models.hybrid", "kvshot_vllm.models.block")
 
 
