@@ -4,6 +4,8 @@ hidden state: a row sees its token's embedding and the target's cache, nothing e
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn as nn
 
@@ -22,15 +24,30 @@ def cross_attend(cross: DraftAttention, x: torch.Tensor, positions: torch.Tensor
 
 
 class KVLayer(nn.Module):
-    def __init__(self, cfg: DrafterConfig, num_reads: int) -> None:
+    """A KV-only drafter layer (Llama block): pre-norm cross-attention over target KV, for block
+    drafters H-Spec's recurrent mixer, then an MLP. Training and serving run this one class;
+    they differ in the attention over target K/V (`cross`: offline over cached tensors, or
+    vLLM's paged op in place) and in how the caller feeds it (`forward`)."""
+
+    def __init__(self, cfg: DrafterConfig, cross: DraftAttention) -> None:
         super().__init__()
         target = cfg.target
         h, eps = target.hidden_size, target.rms_norm_eps
         self.input_norm = RMSNorm(h, eps)
-        self.cross = cross_attention(h, cfg, num_reads)
+        self.cross = cross
         self.post_norm = RMSNorm(h, eps)
         self.mlp = SwiGLU(h, target.intermediate_size)
         self.ssm = SelectiveScan(h, cfg.ssm_state_size, eps) if cfg.ssm_state_size else None
+
+    def forward(self, x: torch.Tensor, attend: Callable[[DraftAttention, torch.Tensor], torch.Tensor],
+                mix: Callable[[SelectiveScan, torch.Tensor], torch.Tensor] | None = None
+                ) -> torch.Tensor:
+        """x [..., hidden]; `attend(cross, normed x)` runs the cross-attention for these rows,
+        `mix(ssm, x)` the recurrent mixer's residual update (block drafters)."""
+        x = x + attend(self.cross, self.input_norm(x))
+        if self.ssm is not None:
+            x = x + mix(self.ssm, x)
+        return x + self.mlp(self.post_norm(x))
 
 
 @register_paradigm("kv", reads_target_kv=True, uses_aux_hidden=False, self_attention=False)
@@ -40,14 +57,14 @@ class KVOnlyDrafter(Drafter):
     def __init__(self, cfg: DrafterConfig, target_hf_config, embed: torch.Tensor) -> None:
         super().__init__(cfg, target_hf_config, embed)
         self.reads = cfg.layer_reads()
-        self.kv_layers = nn.ModuleList(KVLayer(cfg, len(r)) for r in self.reads)
+        self.kv_layers = nn.ModuleList(
+            KVLayer(cfg, cross_attention(cfg.target.hidden_size, cfg, len(r))) for r in self.reads)
 
     def step(self, embeds, hidden, positions, feats, chains):
         x = embeds
         for i, (layer, reads) in enumerate(zip(self.kv_layers, self.reads)):
-            x = x + cross_attend(layer.cross, layer.input_norm(x), positions, self.rope, feats,
-                                 reads, chains[f"kv_layers.{i}.cross"])
-            if layer.ssm is not None:  # block drafters only: `hidden` is their conditioning
-                x = x + chains[f"kv_layers.{i}.ssm"].advance(layer.ssm, x, hidden)
-            x = x + layer.mlp(layer.post_norm(x))
+            x = layer(x, lambda cross, h: cross_attend(cross, h, positions, self.rope, feats, reads,
+                                                       chains[f"kv_layers.{i}.cross"]),
+                      # block drafters only: `hidden` is their conditioning
+                      lambda ssm, x: chains[f"kv_layers.{i}.ssm"].advance(ssm, x, hidden))
         return self.norm(x), x

@@ -32,13 +32,14 @@ from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import Attention
-from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
 
 from kvshot_vllm.errors import KVShotError
 from kvshot_vllm.models.config import TargetSpec, load_drafter_config
-from kvshot_vllm.models.layers import GatedDelta, SelectiveScan, SwiGLU
+from kvshot_vllm.models.drafter import DraftAttention
+from kvshot_vllm.models.kv_only import KVLayer
+from kvshot_vllm.models.layers import GatedDelta
 from kvshot_vllm.models.weights import check_drafter_weights, verify_checkpoint
 from kvshot_vllm.serving.backend import (block_rows, draft_kv_backend, draft_plan,
                                          platform_backend)
@@ -53,32 +54,22 @@ def target_attention_name(layer: int) -> str:
     return f"model.layers.{layer}.self_attn.attn"
 
 
-class TargetKVAttention(nn.Module):
-    """Attention of drafter queries over the target's cached K/V of the sampled layers.
-
-    head_concat: one attention per sampled target layer over that layer's KV heads, outputs
-    concatenated and projected: [T, in] -> [T, hidden].
-    """
+class TargetKVAttention(DraftAttention):
+    """The training side's cross-attention (same projections and weight names), attending
+    through vLLM's paged attention op over the target's cache of the sampled layers: one
+    attention per sampled layer over that layer's KV heads, outputs concatenated and projected,
+    [T, in] -> [T, hidden]."""
 
     def __init__(self, in_size: int, target: TargetSpec, kv_layers: list[int], first_index: int,
                  rope: nn.Module, cache_config) -> None:
-        super().__init__()
-        self.num_sampled = len(kv_layers)
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            target.num_attention_heads, target.num_kv_heads, target.head_dim)
-        q_size = self.num_sampled * self.num_heads * self.head_dim
-        kv_size = self.num_sampled * self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(in_size, q_size, bias=False)
-        self.k_proj = nn.Linear(in_size, kv_size, bias=False)
-        self.v_proj = nn.Linear(in_size, kv_size, bias=False)
-        self.o_proj = nn.Linear(q_size, target.hidden_size, bias=False)
+        super().__init__(in_size, target, groups=len(kv_layers))
         self.rope = rope
         backend = draft_kv_backend(platform_backend())
         # One vLLM attention per sampled layer, sharing that target layer's cache. A layer name
         # must hold exactly one integer (vLLM derives the layer index from it).
         self.attn = nn.ModuleList(
-            Attention(self.num_heads, self.head_dim, self.head_dim**-0.5,
-                      num_kv_heads=self.num_kv_heads, cache_config=cache_config,
+            Attention(self.heads, self.head_dim, self.head_dim**-0.5,
+                      num_kv_heads=self.kv_heads, cache_config=cache_config,
                       prefix=f"kvshot_cross.{first_index + s}.attn",
                       kv_sharing_target_layer_name=target_attention_name(layer),
                       attn_backend=backend)
@@ -89,10 +80,10 @@ class TargetKVAttention(nn.Module):
         t = x.shape[0]
         # Query and own key sit at the position of the carried token.
         q, k = self.rope(positions + 1, self.q_proj(x), self.k_proj(x))
-        q = q.view(t, self.num_sampled, self.num_heads * self.head_dim)
-        k = k.view(t, self.num_sampled, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_sampled, self.num_kv_heads, self.head_dim)
-        unused_kv = x.new_zeros(t, self.num_kv_heads * self.head_dim)
+        q = q.view(t, self.groups, self.heads * self.head_dim)
+        k = k.view(t, self.groups, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.groups, self.kv_heads, self.head_dim)
+        unused_kv = x.new_zeros(t, self.kv_heads * self.head_dim)
         outs = []
         for s, attn in enumerate(self.attn):
             plan = draft_plan(_metadata(attn.layer_name))
@@ -128,31 +119,6 @@ def _metadata(layer_name: str):
     md = get_forward_context().attn_metadata
     md = md[0] if isinstance(md, list) else md
     return md.get(layer_name) if isinstance(md, dict) else None
-
-
-class KVLayer(nn.Module):
-    """A KV-only drafter layer (Llama block): pre-norm cross-attention over target KV, then an
-    MLP."""
-
-    def __init__(self, target: TargetSpec, kv_layers: list[int], first_index: int,
-                 rope: nn.Module, cache_config, ssm_state_size: int = 0) -> None:
-        super().__init__()
-        h = target.hidden_size
-        self.input_norm = RMSNorm(h, eps=target.rms_norm_eps)
-        self.cross = TargetKVAttention(h, target, kv_layers, first_index, rope, cache_config)
-        self.post_norm = RMSNorm(h, eps=target.rms_norm_eps)
-        self.mlp = SwiGLU(h, target.intermediate_size)
-        self.ssm = (SelectiveScan(h, ssm_state_size, target.rms_norm_eps) if ssm_state_size
-                    else None)
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor,
-                cond: torch.Tensor | None = None) -> torch.Tensor:
-        """x [T, hidden]; a block drafter's recurrent mixer needs T = n * k rows in request
-        order and their conditioning cond [n, hidden]."""
-        x = x + self.cross(self.input_norm(x), positions)
-        if self.ssm is not None:
-            x = x + self.ssm.scan(x.view(cond.shape[0], -1, x.shape[-1]), cond).flatten(0, 1)
-        return x + self.mlp(self.post_norm(x))
 
 
 class VerifiedEagle3LlamaForCausalLM(Eagle3LlamaForCausalLM):
@@ -202,7 +168,8 @@ class KVShotEagle3LlamaForCausalLM(VerifiedEagle3LlamaForCausalLM):
             reads = cfg.layer_reads()
             starts = [first_index + sum(len(r) for r in reads[:i]) for i in range(len(reads))]
             self.kv_layers = nn.ModuleList(
-                KVLayer(target, r, start, self.rope, cache_config, cfg.ssm_state_size)
+                KVLayer(cfg, TargetKVAttention(target.hidden_size, target, r, start, self.rope,
+                                               cache_config))
                 for r, start in zip(reads, starts))
             if cfg.spec.one_block:
                 self.mask_embed = nn.Parameter(torch.zeros(target.hidden_size))
@@ -245,7 +212,7 @@ class KVShotEagle3LlamaForCausalLM(VerifiedEagle3LlamaForCausalLM):
             return self._block_forward(inputs_embeds, positions, hidden_states)
         x = inputs_embeds
         for layer in self.kv_layers:
-            x = layer(x, positions)
+            x = layer(x, lambda cross, normed: cross(normed, positions))
         return self.model.norm(x), x
 
     def _block_forward(self, embeds: torch.Tensor, positions: torch.Tensor,
@@ -269,7 +236,9 @@ class KVShotEagle3LlamaForCausalLM(VerifiedEagle3LlamaForCausalLM):
         pos = torch.where(pos < self._max_len, pos, torch.zeros_like(pos)).flatten()
         with _block_metadata(self._cross_layer_names() if plan is not None else []):
             for layer in self.kv_layers:
-                x = layer(x, pos, cond)
+                # the recurrent mixer scans each request's k rows in order
+                x = layer(x, lambda cross, normed: cross(normed, pos), lambda ssm, x: ssm.scan(
+                    x.view(n, k, h), cond).flatten(0, 1))
         self._block = self.model.norm(x).view(n, k, h)
         out = x.new_zeros(positions.shape[0], h)
         out[last] = self._block[:, 0]  # where the proposer samples draft 0
