@@ -5,6 +5,7 @@ kill, bad checkpoints refused, and a trained checkpoint served losslessly by vLL
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import time
@@ -85,13 +86,13 @@ def test_oracle_is_accepted_offline(data_dir, target_fp32, dataset, tmp_path) ->
     assert min(result["a"]) >= 0.97, result
 
 
-def _trainer(run_dir, target, features, paradigm, steps=12, snapshot_every=None,
+def _trainer(run_dir, target, features, paradigm, steps=12, snapshot_every=None, init=None,
              **options) -> Trainer:
     cfg = TrainConfig(steps=steps, batch_size=2, lr=3e-3, warmup=2, draft_vocab_size=2048,
                       checkpoint_every=4, log_every=2, ttt_steps=4,
                       snapshot_every=snapshot_every)
-    dcfg = drafter_config(target, cfg, paradigm=paradigm, **options)
-    return Trainer(run_dir, dcfg, cfg, target, features)
+    dcfg = drafter_config(target, cfg, init, paradigm=paradigm, **options)
+    return Trainer(run_dir, dcfg, cfg, target, features, init=init)
 
 
 def _loss(trainer: Trainer, features: FeatureSet) -> float:
@@ -146,6 +147,21 @@ def test_learning_curve_of_snapshots(data_dir, target_fp32, dataset, train_featu
     assert sum(line.startswith("| ") and line[2].isdigit() for line in report.splitlines()) == 3
     assert (run_dir / "curve.png").stat().st_size > 10_000
     assert_one_line_error(run_kvshot("curve", str(tmp_path)), "no training run at")
+
+    # A warm start counts what its checkpoint was trained on: 8 + 4 steps of 2 over 6
+    # sequences are 4 epochs, as many as the 12-step run's.
+    warm_dir = tmp_path / "warm-run"
+    _trainer(warm_dir, target_fp32, train_features, "kv", steps=4, snapshot_every=4,
+             init=run_dir / "snapshots" / "step-000008").train(progress=False)
+    (warm,) = learning_curve(warm_dir, target_fp32, heldout, steps=4, progress=False)
+    assert warm["epochs"] == pytest.approx(4)
+    assert rows[1]["loss_tokens"] < warm["loss_tokens"] < rows[1]["loss_tokens"] + 2 * per_epoch
+    outside = tmp_path / "outside"
+    shutil.copytree(run_dir / "snapshots" / "step-000004", outside)
+    _trainer(tmp_path / "warm-outside", target_fp32, train_features, "kv", steps=4,
+             snapshot_every=4, init=outside).train(progress=False)
+    with pytest.raises(KVShotError, match="not a kvshot run's checkpoint"):
+        learning_curve(tmp_path / "warm-outside", target_fp32, heldout, steps=4, progress=False)
 
 
 def test_hybrid_checkpoint_round_trips_and_warm_starts(target_fp32, train_features,

@@ -26,23 +26,47 @@ def snapshots(run_dir: Path) -> list[tuple[int, Path]]:
     return found
 
 
-def learning_curve(run_dir: Path, target_dir: Path, heldout: FeatureSet,
-                   steps: int = 7, progress: bool = True) -> list[dict]:
-    """One row per snapshot: its step, the tokens it was trained on, a_k and MAT."""
-    from kvshot_vllm.models.drafter import load_drafter
-
+def run_tokens(run_dir: Path, step: int) -> dict[str, float]:
+    """Sequences, tokens and loss tokens a run's checkpoint of `step` was trained on, those of
+    the checkpoint it warm-started from included (a kvshot run's, followed back)."""
     run_dir = Path(run_dir)
     run = json.loads((run_dir / "run.json").read_text())
     cfg = TrainConfig.model_validate(run["train"])
     train = FeatureSet(Path(run["features"]))
-    lengths = [train.length(i) for i in range(len(train))]
-    prompt_lens = [train.prompt_length(i) for i in range(len(train))]
+    own = trained_tokens([train.length(i) for i in range(len(train))],
+                         [train.prompt_length(i) for i in range(len(train))], cfg, step)
+    own["epochs"] = step * cfg.batch_size / len(train)
+    if not run.get("init"):
+        return own
+    parent, parent_step = checkpoint_origin(Path(run["init"]))
+    before = run_tokens(parent, parent_step)
+    return {key: own[key] + before[key] for key in own}
+
+
+def checkpoint_origin(ckpt: Path) -> tuple[Path, int]:
+    """(run directory, step) of a kvshot run's checkpoint or snapshot."""
+    import torch
+
+    if ckpt.parent.name == "snapshots" and ckpt.name.startswith("step-"):
+        return ckpt.parent.parent, int(ckpt.name.removeprefix("step-"))
+    run_dir = ckpt.parent
+    if ckpt.name != "checkpoint" or not (run_dir / "state.pt").is_file():
+        raise KVShotError(f"the run warm-started from {ckpt}, which is not a kvshot run's "
+                          f"checkpoint: the tokens it was trained on are unknown, so a curve "
+                          f"of this run would undercount them")
+    return run_dir, torch.load(run_dir / "state.pt", weights_only=True, mmap=True)["step"]
+
+
+def learning_curve(run_dir: Path, target_dir: Path, heldout: FeatureSet,
+                   steps: int = 7, progress: bool = True) -> list[dict]:
+    """One row per snapshot: its step, the tokens it was trained on (a warm start's
+    included), a_k and MAT."""
+    from kvshot_vllm.models.drafter import load_drafter
+
     rows = []
     for step, ckpt in snapshots(run_dir):
         drafter = load_drafter(ckpt, target_dir).eval()
-        rows.append({"step": step, "checkpoint": str(ckpt),
-                     "epochs": step * cfg.batch_size / len(train),
-                     **trained_tokens(lengths, prompt_lens, cfg, step),
+        rows.append({"step": step, "checkpoint": str(ckpt), **run_tokens(run_dir, step),
                      **stepwise_acceptance(drafter, heldout, steps, progress=progress)})
     return rows
 
@@ -51,7 +75,8 @@ def report_lines(rows: list[dict], command: str) -> list[str]:
     lines = [f"Command: `{command}`", "",
              "Held-out step-wise acceptance of the run's snapshots (a_k, MAT as in `kvshot "
              "diagnose`); tokens: every token of the sequences trained on so far, loss tokens: "
-             "their response positions.", "",
+             "their response positions; epochs, tokens and loss tokens include those of the "
+             "checkpoint a warm start began from.", "",
              "| step | epochs | tokens | loss tokens | a0 | a1 | a2 | MAT | n0 |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
