@@ -4,11 +4,13 @@ hidden-only checkpoint: the EAGLE-3 weights are kept, the cross branch and gate 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kvshot_vllm.models.config import DrafterConfig
 from kvshot_vllm.models.drafter import cross_attention
-from kvshot_vllm.models.hidden import HiddenDrafter
+from kvshot_vllm.models.hidden import Attend, HiddenDrafter
 from kvshot_vllm.models.kv_only import cross_attend
 from kvshot_vllm.models.layers import GatedDelta
 from kvshot_vllm.models.registry import register_paradigm
@@ -24,8 +26,19 @@ class HybridDrafter(HiddenDrafter):
         self.cross = cross_attention(2 * h, cfg, len(cfg.kv_layers))
         self.merge = GatedDelta(h, cfg.gate_init)
 
-    def first_attention(self, x, rope, positions, feats, chains):
-        o_self = super().first_attention(x, rope, positions, feats, chains)
-        o_cross = cross_attend(self.cross, x, positions, self.rope, feats, self.cfg.kv_layers,
-                               chains["cross"])
-        return self.merge(o_self, o_cross)
+    def attention(self, positions, feats, chains):
+        return corrected(self.merge, super().attention(positions, feats, chains),
+                         lambda x: cross_attend(self.cross, x, positions, self.rope, feats,
+                                                self.cfg.kv_layers, chains["cross"]))
+
+
+def corrected(merge: GatedDelta, attend: Attend,
+              cross: Callable[[torch.Tensor], torch.Tensor]) -> Attend:
+    """The hybrid's attention: layer 0's self-attention output merged with `cross(x)`, its
+    cross-attention over target K/V (training and serving pass their own back-ends)."""
+
+    def attend_corrected(i: int, attn, x: torch.Tensor) -> torch.Tensor:
+        out = attend(i, attn, x)
+        return merge(out, cross(x)) if i == 0 else out
+
+    return attend_corrected

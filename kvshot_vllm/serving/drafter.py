@@ -22,7 +22,7 @@ vLLM allocates no cache for them and binds their `kv_cache` to the target layer'
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -38,6 +38,8 @@ from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
 from kvshot_vllm.errors import KVShotError
 from kvshot_vllm.models.config import TargetSpec, load_drafter_config
 from kvshot_vllm.models.drafter import DraftAttention
+from kvshot_vllm.models.hidden import EagleLayer, eagle_forward
+from kvshot_vllm.models.hybrid import corrected
 from kvshot_vllm.models.kv_only import KVLayer
 from kvshot_vllm.models.layers import GatedDelta
 from kvshot_vllm.models.weights import check_drafter_weights, verify_checkpoint
@@ -96,6 +98,36 @@ class TargetKVAttention(DraftAttention):
         return self.o_proj(torch.cat(outs, dim=-1))
 
 
+class PagedSelfAttention(DraftAttention):
+    """The training side's EAGLE-3 self-attention through vLLM's paged op, with a cache of its
+    own (the drafter's K/V of every position it has run, as stock EAGLE-3 keeps them),
+    [T, in] -> [T, hidden]."""
+
+    def __init__(self, in_size: int, target: TargetSpec, layer: int, rope: nn.Module,
+                 cache_config) -> None:
+        super().__init__(in_size, target)
+        self.rope = rope
+        self.attn = Attention(self.heads, self.head_dim, self.head_dim**-0.5,
+                              num_kv_heads=self.kv_heads, cache_config=cache_config,
+                              prefix=f"model.layers.{layer}.self_attn.attn")
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        q, k = self.rope(positions, self.q_proj(x), self.k_proj(x))
+        return self.o_proj(self.attn(q, k, self.v_proj(x)))
+
+
+@contextmanager
+def _without_decoder_layers(hf_config) -> Iterator[None]:
+    """Inside: vLLM's EAGLE-3 model builds no decoder layers of its own (it builds
+    `num_hidden_layers` of them, each with a KV cache); the plugin builds the training side's."""
+    layers = hf_config.num_hidden_layers
+    hf_config.num_hidden_layers = 0
+    try:
+        yield
+    finally:
+        hf_config.num_hidden_layers = layers
+
+
 @contextmanager
 def _block_metadata(layer_names: list[str]) -> Iterator[None]:
     """Inside: these layers attend with their plan's whole-block metadata (`backend.py`)."""
@@ -128,6 +160,9 @@ class VerifiedEagle3LlamaForCausalLM(Eagle3LlamaForCausalLM):
     stock name (`registry.py`), so hidden-only checkpoints also load in vLLM without the plugin,
     unchecked there; other EAGLE-3 checkpoints load as in stock vLLM."""
 
+    # Whether vLLM's own decoder layers run the EAGLE-3 layers (hidden-only checkpoints).
+    stock_layers = True
+
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         draft = vllm_config.speculative_config.draft_model_config
         if Path(draft.model).is_dir():
@@ -136,16 +171,20 @@ class VerifiedEagle3LlamaForCausalLM(Eagle3LlamaForCausalLM):
         cfg = load_drafter_config({"kvshot": block}) if block is not None else None
         if cfg is not None:
             check_against_target(cfg, vllm_config.model_config.hf_config)
-        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        with nullcontext() if self.stock_layers else _without_decoder_layers(draft.hf_config):
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
         self.kvshot = cfg
 
 
 class KVShotEagle3LlamaForCausalLM(VerifiedEagle3LlamaForCausalLM):
-    """KV-only, hybrid and block drafters (hidden-only ones are `VerifiedEagle3...`).
+    """KV-only, hybrid and block drafters (hidden-only ones are `VerifiedEagle3...`): the
+    training side's layers with vLLM's paged attention.
 
     Subclasses vLLM's EAGLE-3 model because the proposer asserts that class, and reuses its
-    fc / self-attention layer / norm / lm_head (with d2t) for the hybrid.
+    fc / norm / lm_head (with d2t) and the proposer's hooks into them.
     """
+
+    stock_layers = False
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, prefix=prefix)
@@ -176,7 +215,11 @@ class KVShotEagle3LlamaForCausalLM(VerifiedEagle3LlamaForCausalLM):
                 self.block_rows = block_rows(vllm_config)
                 self._max_len = vllm_config.model_config.max_model_len
                 self._block: torch.Tensor | None = None  # [n, k, hidden] this proposal's rows
-        else:  # hybrid: the first EAGLE-3 layer gets a cross-attention correction
+        else:  # hybrid: EAGLE-3 layers, the first with a cross-attention correction
+            self.layers = nn.ModuleList(
+                EagleLayer(target, i, lambda in_size, i=i: PagedSelfAttention(
+                    in_size, target, target.num_layers + i, self.rope, cache_config))
+                for i in range(cfg.eagle_layers))
             self.cross = TargetKVAttention(2 * target.hidden_size, target, cfg.kv_layers,
                                            first_index, self.rope, cache_config)
             self.merge = GatedDelta(target.hidden_size, cfg.gate_init)
@@ -256,19 +299,10 @@ class KVShotEagle3LlamaForCausalLM(VerifiedEagle3LlamaForCausalLM):
 
     def _hybrid_forward(self, embeds: torch.Tensor, positions: torch.Tensor,
                         hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # vLLM's EAGLE-3 decoder layer 0, with the cross-attention merged into its attention.
-        first, *rest = self.model.layers
-        embeds = first.input_layernorm(embeds)
-        hidden_states, residual = first._residual_norm(hidden_states=hidden_states)
-        x = torch.cat([embeds, hidden_states], dim=-1)
-        o_self = first.self_attn(positions=positions, hidden_states=x)
-        attn_out = self.merge(o_self, self.cross(x, positions))
-        hidden_states, residual = first.post_attention_layernorm(attn_out, residual)
-        hidden_states = first.mlp(hidden_states)
-        for layer in rest:
-            hidden_states, residual = layer(positions=positions, embeds=embeds,
-                                            hidden_states=hidden_states, residual=residual)
-        return self.model.norm(hidden_states, residual)
+        attend = corrected(self.merge, lambda i, attn, x: attn(x, positions),
+                           lambda x: self.cross(x, positions))
+        prenorm = eagle_forward(self.layers, embeds, hidden_states, attend)
+        return self.model.norm(prenorm), prenorm
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         logits = super().compute_logits(hidden_states)
