@@ -91,7 +91,7 @@ def cmd_data_prepare(a: argparse.Namespace) -> None:
         num_prompts=a.num_prompts, num_heldout=num_heldout, max_new_tokens=a.max_new_tokens,
         max_prompt_tokens=a.max_prompt_tokens, max_turns=a.max_turns,
         temperature=a.temperature, seed=a.seed, chunk_size=a.chunk_size, dtype=a.dtype,
-        enforce_eager=not a.compiled,
+        enforce_eager=not a.compiled, engine=a.engine,
     )
     args.validate()  # before anything slow, and before the target must exist
     data_dir, target = _target_arg(a)
@@ -171,8 +171,10 @@ def cmd_train(a: argparse.Namespace) -> None:
     run_dir = Path(a.out) if a.out else data_dir / "runs" / name
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / COMMAND_FILE).write_text(shlex.join(["kvshot", *sys.argv[1:]]) + "\n")
+    device = a.device or _default_device()
+    live = (a.features or ("cached" if device == "cpu" else "live")) == "live"
     ckpt = train(data_dir, target, dataset, run_dir, cfg, init=Path(a.init) if a.init else None,
-                 forward_dtype=a.forward_dtype, device=a.device or _default_device(),
+                 forward_dtype=a.forward_dtype, device=device, live_features=live,
                  **_drafter_options(a))
     print(f"checkpoint: {ckpt}")
     print(f"serve: vllm serve {target} --speculative-config "
@@ -216,10 +218,11 @@ def cmd_curve(a: argparse.Namespace) -> None:
     run = json.loads((run_dir / "run.json").read_text())
     target = Path(run["target"])
     trained_on = json.loads((Path(run["features"]) / "params.json").read_text())
+    device = a.device or _default_device()
     heldout = features_for(resolve_data_dir(a.data_dir), target, Path(trained_on["dataset"]),
                            "heldout", feature_spec(target, forward_dtype=trained_on.get(
-                               "forward_dtype", "float32")))
-    rows = learning_curve(run_dir, target, heldout, steps=a.steps)
+                               "forward_dtype", "float32")), device=device, live=device != "cpu")
+    rows = learning_curve(run_dir, target, heldout, steps=a.steps, device=device)
     out = Path(a.out) if a.out else run_dir / "curve"
     write_curve(rows, out, "kvshot curve " + " ".join(sys.argv[2:]))
     print(f"curve: {out.with_suffix('.md')} ({len(rows)} snapshots)")
@@ -337,6 +340,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "compiling at every start (README, CPU notes)")
     p.add_argument("--workers", type=int, default=1,
                    help="vLLM engines, one per Ray actor; 1 runs without Ray")
+    p.add_argument("--engine", choices=["vllm", "transformers"], default="vllm",
+                   help="what regenerates: vLLM (default), or transformers' greedy generate "
+                   "on a GPU machine without vLLM (scripts/gpu_train.sh)")
     p.set_defaults(func=cmd_data_prepare)
 
     drafter = _group(sub, "drafter", "drafter checkpoints")
@@ -392,6 +398,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device",
                    help="where the target's feature forward and training run (default: cuda "
                    "where a GPU is visible, else cpu); a run may resume on another device")
+    p.add_argument("--features", choices=["cached", "live"],
+                   help="cached: the target's features extracted once and read from disk; "
+                   "live: computed by the target as batches ask, nothing stored (default: live "
+                   "on a GPU, cached on a CPU, where the forward costs more than the step)")
     p.add_argument("--steps", type=int, help="optimizer steps (default: the preset's)")
     p.add_argument("--batch-size", type=int, help="sequences per step (default: the preset's)")
     p.add_argument("--lr", type=float)
@@ -424,6 +434,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_data_dir(p)
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("--steps", type=int, default=7, help="draft chain length (default 7)")
+    p.add_argument("--device", help="where the snapshots run, over live held-out features on "
+                   "a GPU (default: cuda where visible, else cpu over cached ones)")
     p.add_argument("--out", help="output path without suffix (default: RUN_DIR/curve)")
     p.set_defaults(func=cmd_curve)
 

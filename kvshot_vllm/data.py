@@ -144,8 +144,14 @@ class PrepareArgs:
     # default: a compiled engine spends minutes compiling at every start on 2 cores.
     dtype: str | None = None
     enforce_eager: bool = True
+    engine: str = "vllm"  # or "transformers" (`TransformersRegenerator`)
 
     def validate(self) -> None:
+        if self.engine not in ("vllm", "transformers"):
+            raise KVShotError(f"unknown engine {self.engine!r}; choose vllm or transformers")
+        if self.engine == "transformers" and self.temperature != 0:
+            raise KVShotError("the transformers engine regenerates greedily only "
+                              "(--temperature 0)")
         if self.num_prompts < 1:
             raise KVShotError(f"--num-prompts must be at least 1, got {self.num_prompts}")
         if self.num_heldout < 0:
@@ -347,6 +353,61 @@ class Regenerator:
         ]
 
 
+class TransformersRegenerator:
+    """Greedy replies through transformers' `generate`, for a machine with a GPU and no vLLM
+    (the lent device machine of scripts/gpu_train.sh, which has no vLLM and fetches nothing). A
+    chunk is one left-padded batch. Its records match vLLM's: the ids end with the EOS token
+    when the reply stopped on one, the text is decoded without special tokens."""
+
+    def __init__(self, model_dir: str, args: PrepareArgs):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.dtype = args.dtype if args.dtype in ("float32", "bfloat16") else (
+            "bfloat16" if self.device == "cuda" else "float32")
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=getattr(torch, self.dtype)).to(self.device).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        eos = self.model.generation_config.eos_token_id
+        self.eos = set(eos if isinstance(eos, list) else [eos])
+        self.pad = min(self.eos)
+        self.max_new_tokens = args.max_new_tokens
+
+    def settings(self) -> dict[str, Any]:
+        import torch
+        import transformers
+
+        return {"engine": "transformers", "transformers": transformers.__version__,
+                "torch": torch.__version__, "dtype": self.dtype, "device": self.device,
+                "device_name": torch.cuda.get_device_name() if self.device == "cuda" else None,
+                "decoding": "greedy, left-padded batch per chunk"}
+
+    def map(self, batches: list[list[list[int]]]) -> Iterator[list[dict[str, Any]]]:
+        return (self.generate(b) for b in batches)
+
+    def generate(self, prompts: list[list[int]]) -> list[dict[str, Any]]:
+        import torch
+
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        with torch.inference_mode():
+            out = self.model.generate(ids.to(self.device), attention_mask=mask.to(self.device),
+                                      max_new_tokens=self.max_new_tokens, do_sample=False,
+                                      pad_token_id=self.pad)
+        records = []
+        for row in out[:, width:].tolist():
+            stop = next((j for j, t in enumerate(row) if t in self.eos), None)
+            tokens = row if stop is None else row[:stop + 1]
+            records.append({
+                "response_token_ids": tokens,
+                "response_text": self.tokenizer.decode(tokens, skip_special_tokens=True),
+                "finish_reason": "length" if stop is None else "stop",
+            })
+        return records
+
+
 class _RayPool:
     """`workers` Ray actors, each with its own vLLM engine; chunks go round robin and come back
     in order so that one writer keeps the file deterministic."""
@@ -440,6 +501,9 @@ def prepare_data(
     args.validate()
     if workers < 1:
         raise KVShotError(f"--workers must be at least 1, got {workers}")
+    if workers > 1 and args.engine != "vllm":
+        raise KVShotError("--workers shards vLLM engines over Ray; the transformers engine "
+                          "runs one")
     if not (target_dir / "config.json").is_file():
         raise KVShotError(f"no target model at {target_dir}; run `kvshot target prepare` first")
     if args.dtype is None:
@@ -494,8 +558,11 @@ def prepare_data(
         if not todo:
             continue
         if engine is None:
-            pool = Regenerator if workers == 1 else partial(_RayPool, workers)
-            engine = pool(str(target_dir), str(data_dir), args)
+            if args.engine == "transformers":
+                engine = TransformersRegenerator(str(target_dir), args)
+            else:
+                pool = Regenerator if workers == 1 else partial(_RayPool, workers)
+                engine = pool(str(target_dir), str(data_dir), args)
             settings = engine.settings()
             if started:
                 _refuse_other_settings(out_dir, "engine settings", comparable(started),

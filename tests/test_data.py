@@ -164,6 +164,40 @@ def test_resume_after_kill_gives_the_same_file(target_bf16: Path, data_dir: Path
                           "other CPU kernels")
 
 
+def test_transformers_engine_regenerates_what_vllm_does(target_fp32: Path, data_dir: Path,
+                                                        tmp_path: Path) -> None:
+    """`--engine transformers` (a GPU machine without vLLM, scripts/gpu_train.sh) writes the
+    data set vLLM writes: the same records, turn by turn, and in fp32 the same greedy replies,
+    up to a rare near-tie that left-padded batching may flip."""
+    common = ["--data-dir", str(data_dir), "--target", str(target_fp32), *SMALL,
+              "--num-prompts", "3", "--num-heldout", "1"]
+    sets = {}
+    for engine in ("vllm", "transformers"):
+        out = tmp_path / engine
+        proc = run_kvshot("data", "prepare", *common, "--engine", engine, "--out", str(out))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        sets[engine] = {r["id"]: r for s in ("train", "heldout")
+                        for r in read_records(out / f"{s}.jsonl")}
+    ours, vllm = sets["transformers"], sets["vllm"]
+    assert ours.keys() == vllm.keys() and any(i.endswith("/t2") for i in ours)
+    equal = total = 0
+    for rid, r in ours.items():
+        assert r["prompt_token_ids"] == vllm[rid]["prompt_token_ids"] or rid.endswith("/t2")
+        assert r["finish_reason"] in ("stop", "length") and 0 < len(r["response_token_ids"]) <= 12
+        a, b = r["response_token_ids"], vllm[rid]["response_token_ids"]
+        equal += sum(x == y for x, y in zip(a, b))
+        total += max(len(a), len(b))
+    assert equal / total >= 0.9, (equal, total)
+    engine = json.loads((tmp_path / "transformers" / "engine.json").read_text())
+    assert engine["engine"] == "transformers" and engine["dtype"] == "float32"
+    assert_one_line_error(run_kvshot("data", "prepare", *common, "--engine", "transformers",
+                                     "--temperature", "0.7", "--out", str(tmp_path / "t")),
+                          "greedily only")
+    assert_one_line_error(run_kvshot("data", "prepare", *common, "--engine", "transformers",
+                                     "--workers", "2", "--out", str(tmp_path / "w")),
+                          "the transformers engine runs one")
+
+
 def test_num_prompts_zero_is_refused(tmp_path: Path) -> None:
     proc = run_kvshot("data", "prepare", "--data-dir", str(tmp_path), "--num-prompts", "0")
     assert_one_line_error(proc, "--num-prompts must be at least 1")

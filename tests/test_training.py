@@ -73,6 +73,53 @@ def test_features_equal_what_the_target_caches(target_fp32, dataset, tmp_path) -
     assert torch.equal(item["labels"], out.logits[0].argmax(-1).int())
 
 
+def test_live_features_equal_cached_ones(target_fp32, dataset, train_features,
+                                        tmp_path) -> None:
+    """Features computed as batches ask (`--features live`, a GPU's default) are the cached
+    ones: the same batch from one padded forward as from one forward per sequence, the same
+    draft vocabulary, and a live run trains, ships and counts its tokens like a cached one."""
+    from kvshot_vllm.training.features import LiveFeatures, open_features
+    from kvshot_vllm.training.ttt import draft_vocabulary
+
+    spec = FeatureSpec(**{k: v for k, v in train_features.params.items()
+                          if k in ("max_len", "dtype", "shard_size", "forward_dtype")},
+                       aux_layers=tuple(train_features.aux_layers),
+                       kv_layers=tuple(train_features.kv_layers))
+    # A data directory of its own: a live directory claims its data set's path, which is
+    # another temporary one in every pytest session.
+    live_data = tmp_path / "data"
+    live = features_for(live_data, target_fp32, dataset, "train", spec, live=True)
+    assert isinstance(live, LiveFeatures) and len(live) == len(train_features) == 6
+    assert isinstance(open_features(live.path), LiveFeatures)
+    assert isinstance(open_features(train_features.path), FeatureSet)
+    n = len(live)
+    assert [live.length(i) for i in range(n)] == [train_features.length(i) for i in range(n)]
+    assert [live.prompt_length(i) for i in range(n)] == [train_features.prompt_length(i)
+                                                          for i in range(n)]
+    batch = [3, 0, 5]  # of different lengths: right padding
+    (lf, ll, lt), (cf, cl, ct) = (f.batch(batch, list(spec.kv_layers), True)
+                                  for f in (live, train_features))
+    assert torch.equal(lf.input_ids, cf.input_ids) and torch.equal(lt, ct)
+    assert (ll == cl).float().mean() > 0.99  # a padded batch may flip a rare fp32 near-tie
+    torch.testing.assert_close(lf.aux_hidden, cf.aux_hidden, atol=2e-2, rtol=0)
+    for layer in spec.kv_layers:
+        for a, b in zip(lf.target_kv[layer], cf.target_kv[layer]):
+            torch.testing.assert_close(a, b, atol=2e-2, rtol=0)
+    assert torch.equal(draft_vocabulary(live, 512, 49152),
+                       draft_vocabulary(train_features, 512, 49152))
+
+    run = tmp_path / "live-run"
+    proc = run_kvshot("train", "--paradigm", "kv", "--steps", "2", "--batch-size", "2",
+                      "--features", "live", "--target", str(target_fp32), "--dataset",
+                      str(dataset), "--data-dir", str(live_data), "--out", str(run))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads((run / "run.json").read_text())["features"] == str(live.path.resolve())
+    proc = run_kvshot("ship", str(run), "--name", "kv", "--out", str(tmp_path / "kv"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    manifest = json.loads((tmp_path / "kv" / "manifest.json").read_text())
+    assert manifest["data"]["sequences"] == 6 and manifest["budget"]["loss_tokens"] > 0
+
+
 def test_oracle_is_accepted_offline(data_dir, target_fp32, dataset, tmp_path) -> None:
     """The oracle (the target's own layers over its cached K/V) through the training-side
     KV-only drafter: the chain math, positions and features agree with the target."""

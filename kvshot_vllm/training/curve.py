@@ -12,7 +12,7 @@ from pathlib import Path
 
 from kvshot_vllm.errors import KVShotError
 from kvshot_vllm.training.diagnostics import stepwise_acceptance
-from kvshot_vllm.training.features import FeatureSet
+from kvshot_vllm.training.features import SplitFeatures, open_features
 from kvshot_vllm.training.ttt import TrainConfig, trained_tokens
 
 
@@ -32,7 +32,7 @@ def run_tokens(run_dir: Path, step: int) -> dict[str, float]:
     run_dir = Path(run_dir)
     run = json.loads((run_dir / "run.json").read_text())
     cfg = TrainConfig.model_validate(run["train"])
-    train = FeatureSet(Path(run["features"]))
+    train = open_features(Path(run["features"]))
     own = trained_tokens([train.length(i) for i in range(len(train))],
                          [train.prompt_length(i) for i in range(len(train))], cfg, step)
     own["epochs"] = step * cfg.batch_size / len(train)
@@ -57,15 +57,15 @@ def checkpoint_origin(ckpt: Path) -> tuple[Path, int]:
     return run_dir, torch.load(run_dir / "state.pt", weights_only=True, mmap=True)["step"]
 
 
-def learning_curve(run_dir: Path, target_dir: Path, heldout: FeatureSet,
-                   steps: int = 7, progress: bool = True) -> list[dict]:
+def learning_curve(run_dir: Path, target_dir: Path, heldout: SplitFeatures,
+                   steps: int = 7, progress: bool = True, device: str = "cpu") -> list[dict]:
     """One row per snapshot: its step, the tokens it was trained on (a warm start's
     included), a_k and MAT."""
     from kvshot_vllm.models.drafter import load_drafter
 
     rows = []
     for step, ckpt in snapshots(run_dir):
-        drafter = load_drafter(ckpt, target_dir).eval()
+        drafter = load_drafter(ckpt, target_dir).eval().to(device)
         rows.append({"step": step, "checkpoint": str(ckpt), **run_tokens(run_dir, step),
                      **stepwise_acceptance(drafter, heldout, steps, progress=progress)})
     return rows

@@ -25,14 +25,14 @@ import torch
 
 from kvshot_vllm.errors import KVShotError
 from kvshot_vllm.models.drafter import Drafter, load_drafter
-from kvshot_vllm.training.features import FeatureSet
+from kvshot_vllm.training.features import FeatureSet, SplitFeatures
 from kvshot_vllm.training.ttt import chain_predictions, shifted
 
 MIN_CHAINS = 50  # chains a step needs before its a_k is compared or plotted
 
 
 @torch.no_grad()
-def stepwise_acceptance(drafter: Drafter, features: FeatureSet, steps: int = 7,
+def stepwise_acceptance(drafter: Drafter, features: SplitFeatures, steps: int = 7,
                         batch_size: int = 4, progress: bool = True) -> dict:
     from tqdm import tqdm
 
@@ -41,10 +41,12 @@ def stepwise_acceptance(drafter: Drafter, features: FeatureSet, steps: int = 7,
     alive = torch.zeros(steps, dtype=torch.long)
     accepted = torch.zeros(steps, dtype=torch.long)
     order = sorted(range(len(features)), key=features.length)  # similar lengths pad less
+    device = next(drafter.parameters()).device
     for start in tqdm(range(0, len(order), batch_size), desc=f"diagnose {cfg.paradigm}",
                       disable=not progress):
         feats, labels, trainable = features.batch(order[start:start + batch_size],
                                                   cfg.kv_layers, cfg.uses_aux_hidden)
+        feats, labels, trainable = feats.to(device), labels.to(device), trainable.to(device)
         ids = feats.input_ids
         chain_ok = torch.ones_like(trainable)
         for j, (_, _, hit, mask) in enumerate(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,20 +62,50 @@ def sequences(dataset_dir: Path, split: str, max_len: int) -> list[tuple[str, li
 
 
 @torch.inference_mode()
-def target_forward(model, ids: list[int], spec: FeatureSpec) -> dict[str, torch.Tensor]:
-    """One sequence's features (see the module docstring), in `spec.dtype`."""
+def batched_forward(model, ids: torch.Tensor, spec: FeatureSpec) -> dict[str, torch.Tensor]:
+    """The features of right-padded sequences ids [B, T], on the model's device, in
+    `spec.dtype`: labels [B, T], aux [B, T, A * hidden], k.L / v.L [B, KVH, T, d]. No attention
+    mask is needed: a causal row never sees the padding after it."""
     dtype = DTYPES[spec.dtype]
-    out = model(torch.tensor([ids], device=model.device), output_hidden_states=True,
-                use_cache=True)
+    out = model(ids.to(model.device), output_hidden_states=True, use_cache=True)
     # hidden_states[L] is the input of layer L, which is what vLLM collects as aux layer L.
-    feats = {"labels": out.logits[0].float().argmax(-1).to(torch.int32),
-             "aux": torch.cat([out.hidden_states[i][0] for i in spec.aux_layers], -1).to(dtype)}
+    feats = {"labels": out.logits.float().argmax(-1).to(torch.int32),
+             "aux": torch.cat([out.hidden_states[i] for i in spec.aux_layers], -1).to(dtype)}
     cache = out.past_key_values
     for layer in spec.kv_layers:
-        k, v = cache.layers[layer].keys, cache.layers[layer].values  # [1, KVH, T, d]
-        feats[f"k.{layer}"] = k[0].transpose(0, 1).to(dtype).contiguous()
-        feats[f"v.{layer}"] = v[0].transpose(0, 1).to(dtype).contiguous()
-    return {name: t.cpu() for name, t in feats.items()}
+        feats[f"k.{layer}"] = cache.layers[layer].keys.to(dtype)
+        feats[f"v.{layer}"] = cache.layers[layer].values.to(dtype)
+    return feats
+
+
+def target_forward(model, ids: list[int], spec: FeatureSpec) -> dict[str, torch.Tensor]:
+    """One sequence's features (see the module docstring), in `spec.dtype`, on the CPU."""
+    feats = batched_forward(model, torch.tensor([ids]), spec)
+    return {name: (t[0].transpose(0, 1) if name[:2] in ("k.", "v.") else t[0]).contiguous().cpu()
+            for name, t in feats.items()}
+
+
+def _claim(out: Path, target_dir: Path, dataset_dir: Path, split: str,
+           seqs: list[tuple[str, list[int], int]], spec: FeatureSpec, live: bool = False) -> None:
+    """Write `out/params.json`, what the features there are made from; refuse a directory that
+    holds features of other data or settings."""
+    params = {"target": str(Path(target_dir).resolve()),
+              "dataset": str(Path(dataset_dir).resolve()), "split": split,
+              "ids": [s[0] for s in seqs], **spec.__dict__, "aux_layers": list(spec.aux_layers),
+              "kv_layers": list(spec.kv_layers), **({"live": True} if live else {})}
+    out.mkdir(parents=True, exist_ok=True)
+    params_path = out / "params.json"
+    if params_path.exists() and json.loads(params_path.read_text()) != params:
+        raise KVShotError(f"{out} holds features made from other data or settings; delete it "
+                          f"to rebuild")
+    params_path.write_text(json.dumps(params))
+
+
+def load_target(target_dir: Path, spec: FeatureSpec, device: str):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=DTYPES[spec.forward_dtype])
+    return model.to(device).eval()
 
 
 def extract_features(target_dir: Path, dataset_dir: Path, split: str, out_root: Path,
@@ -83,19 +114,11 @@ def extract_features(target_dir: Path, dataset_dir: Path, split: str, out_root: 
     target's forward on `device`."""
     from safetensors.torch import save_file
     from tqdm import tqdm
-    from transformers import AutoModelForCausalLM
 
     out = Path(out_root) / spec.dir_name(split)
     out.mkdir(parents=True, exist_ok=True)
     seqs = sequences(dataset_dir, split, spec.max_len)
-    params = {"target": str(Path(target_dir).resolve()), "dataset": str(Path(dataset_dir).resolve()),
-              "split": split, "ids": [s[0] for s in seqs], **spec.__dict__,
-              "aux_layers": list(spec.aux_layers), "kv_layers": list(spec.kv_layers)}
-    params_path = out / "params.json"
-    if params_path.exists() and json.loads(params_path.read_text()) != params:
-        raise KVShotError(f"{out} holds features made from other data or settings; delete it "
-                          f"to rebuild")
-    params_path.write_text(json.dumps(params))
+    _claim(out, target_dir, dataset_dir, split, seqs, spec)
 
     shards = [seqs[i:i + spec.shard_size] for i in range(0, len(seqs), spec.shard_size)]
     todo = [i for i in range(len(shards)) if not (out / f"shard-{i:05d}.safetensors").exists()]
@@ -105,9 +128,7 @@ def extract_features(target_dir: Path, dataset_dir: Path, split: str, out_root: 
               unit="seq") as bar:
         for i in todo:
             if model is None:
-                model = AutoModelForCausalLM.from_pretrained(
-                    target_dir, dtype=DTYPES[spec.forward_dtype]).to(device)
-                model.eval()
+                model = load_target(target_dir, spec, device)
             parts = [target_forward(model, ids, spec) for _, ids, _ in shards[i]]
             tensors = {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
             lengths = torch.tensor([len(ids) for _, ids, _ in shards[i]])
@@ -160,8 +181,8 @@ class _Shard:
         return {name: self._file.get_slice(name)[a:b] for name in self.names}
 
 
-class FeatureSet:
-    """The cached features of one split, indexed by sequence, read from disk as batches ask."""
+class SplitFeatures:
+    """What the features of one split are made from (`params.json`), and the checks on it."""
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
@@ -169,6 +190,31 @@ class FeatureSet:
         if not params_path.is_file():
             raise KVShotError(f"no features at {self.path}; `kvshot train` and `kvshot diagnose` extract them when missing")
         self.params = json.loads(params_path.read_text())
+        self.kv_layers = list(self.params["kv_layers"])
+        self.aux_layers = list(self.params["aux_layers"])
+
+    def check_layers(self, aux_layers: list[int], kv_layers: list[int], uses_aux: bool) -> None:
+        missing = sorted(set(kv_layers) - set(self.kv_layers))
+        if missing:
+            raise KVShotError(f"features at {self.path} hold K/V of layers {self.kv_layers}, "
+                              f"not {missing}; extract them with --kv-layers")
+        if uses_aux and list(aux_layers) != self.aux_layers:
+            raise KVShotError(f"features at {self.path} fuse aux layers {self.aux_layers}, the "
+                              f"drafter wants {list(aux_layers)}")
+
+
+def open_features(path: Path, device: str = "cpu") -> "FeatureSet | LiveFeatures":
+    """The features a run trained on (`run.json`'s "features"), cached or live."""
+    live = json.loads((Path(path) / "params.json").read_text()).get("live") \
+        if (Path(path) / "params.json").is_file() else False
+    return LiveFeatures(path, device) if live else FeatureSet(path)
+
+
+class FeatureSet(SplitFeatures):
+    """The cached features of one split, indexed by sequence, read from disk as batches ask."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
         files = sorted(self.path.glob("shard-*.safetensors"))
         expected = -(-len(self.params["ids"]) // self.params["shard_size"])
         if len(files) != expected:
@@ -177,8 +223,6 @@ class FeatureSet:
         self.shards = [_Shard(f) for f in files]
         self.index = [(s, j) for s, shard in enumerate(self.shards)
                       for j in range(len(shard.prompt_len))]
-        self.kv_layers = list(self.params["kv_layers"])
-        self.aux_layers = list(self.params["aux_layers"])
 
     def keep_only(self, ids: set[str]) -> None:
         """Restrict the set to the sequences with these data set ids."""
@@ -200,14 +244,11 @@ class FeatureSet:
         s, j = self.index[i]
         return int(self.shards[s].prompt_len[j])
 
-    def check_layers(self, aux_layers: list[int], kv_layers: list[int], uses_aux: bool) -> None:
-        missing = sorted(set(kv_layers) - set(self.kv_layers))
-        if missing:
-            raise KVShotError(f"features at {self.path} hold K/V of layers {self.kv_layers}, "
-                              f"not {missing}; extract them with --kv-layers")
-        if uses_aux and list(aux_layers) != self.aux_layers:
-            raise KVShotError(f"features at {self.path} fuse aux layers {self.aux_layers}, the "
-                              f"drafter wants {list(aux_layers)}")
+    def response_labels(self) -> Iterator[torch.Tensor]:
+        """Per sequence, the target's greedy tokens from the last prompt position on."""
+        for i in range(len(self)):
+            item = self.item(i)
+            yield item["labels"][item["prompt_len"] - 1:]
 
     def item(self, i: int) -> dict[str, torch.Tensor | int]:
         s, j = self.index[i]
@@ -243,4 +284,87 @@ class FeatureSet:
             for layer, (k, v) in kv.items():
                 k[r, :, :n] = it[f"k.{layer}"].float().transpose(0, 1)
                 v[r, :, :n] = it[f"v.{layer}"].float().transpose(0, 1)
+        return TargetFeatures(ids, aux, kv), labels, trainable
+
+
+class LiveFeatures(SplitFeatures):
+    """The features of one split computed by the target on `device` as batches ask for them.
+    Nothing is stored but `params.json` (what `ship` and `curve` count a run's tokens from).
+    On a GPU the target's forward over a batch costs less than reading 5.8 kB per token of
+    cached features back; on 2 CPU cores it costs more than the training step itself
+    (bench/results/train_speed.md), so the CPU caches them (`FeatureSet`)."""
+
+    BATCH = 32  # sequences per forward when all of them are read (`response_labels`)
+
+    def __init__(self, path: Path, device: str = "cpu") -> None:
+        super().__init__(path)
+        p = self.params
+        self.spec = FeatureSpec(aux_layers=tuple(p["aux_layers"]), kv_layers=tuple(p["kv_layers"]),
+                                max_len=p["max_len"], dtype=p["dtype"],
+                                shard_size=p["shard_size"], forward_dtype=p["forward_dtype"])
+        self.seqs = sequences(Path(p["dataset"]), p["split"], self.spec.max_len)
+        if [s[0] for s in self.seqs] != p["ids"]:
+            raise KVShotError(f"{p['dataset']} no longer holds the {p['split']} sequences that "
+                              f"{self.path} was made from; delete it to start over")
+        self.device = torch.device(device)
+        self._model = None
+
+    @classmethod
+    def create(cls, out: Path, target_dir: Path, dataset_dir: Path, split: str,
+               spec: FeatureSpec, device: str = "cpu") -> "LiveFeatures":
+        _claim(out, target_dir, dataset_dir, split, sequences(dataset_dir, split, spec.max_len),
+               spec, live=True)
+        return cls(out, device)
+
+    @property
+    def model(self):
+        if self._model is None:
+            self._model = load_target(Path(self.params["target"]), self.spec, self.device)
+        return self._model
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(ids) for _, ids, _ in self.seqs)
+
+    def length(self, i: int) -> int:
+        return len(self.seqs[i][1])
+
+    def prompt_length(self, i: int) -> int:
+        return self.seqs[i][2]
+
+    def _padded(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, valid) [B, T] of the right-padded sequences, ids on the CPU."""
+        lengths = torch.tensor([self.length(i) for i in indices])
+        ids = torch.zeros(len(indices), int(lengths.max()), dtype=torch.long)
+        for r, i in enumerate(indices):
+            ids[r, :self.length(i)] = torch.tensor(self.seqs[i][1])
+        return ids, torch.arange(ids.shape[1]) < lengths[:, None]
+
+    def response_labels(self) -> Iterator[torch.Tensor]:
+        order = sorted(range(len(self)), key=self.length)
+        for start in range(0, len(order), self.BATCH):
+            chunk = order[start:start + self.BATCH]
+            labels = batched_forward(self.model, self._padded(chunk)[0], self.spec)["labels"]
+            labels = labels.cpu()
+            for r, i in enumerate(chunk):
+                yield labels[r, self.prompt_length(i) - 1:self.length(i)]
+
+    def batch(self, indices: list[int], kv_layers: list[int], uses_aux: bool
+              ) -> tuple[TargetFeatures, torch.Tensor, torch.Tensor]:
+        """As `FeatureSet.batch`, on the device: past each sequence's end everything is zero,
+        as in a batch of cached features."""
+        ids, valid = self._padded(indices)
+        trainable = torch.zeros_like(valid)
+        for r, i in enumerate(indices):
+            trainable[r, self.prompt_length(i) - 1:self.length(i) - 1] = True
+        feats = batched_forward(self.model, ids, self.spec)
+        ids, valid, trainable = (t.to(self.device) for t in (ids, valid, trainable))
+        aux = feats["aux"].float() * valid[..., None] if uses_aux else None
+        kv_valid = valid[:, None, :, None]
+        kv = {layer: (feats[f"k.{layer}"].float() * kv_valid,
+                      feats[f"v.{layer}"].float() * kv_valid) for layer in kv_layers}
+        labels = feats["labels"].long() * valid
         return TargetFeatures(ids, aux, kv), labels, trainable

@@ -9,7 +9,8 @@ from pathlib import Path
 from kvshot_vllm.errors import KVShotError
 from kvshot_vllm.models.config import DrafterConfig, default_layers, validated
 from kvshot_vllm.models.weights import target_spec
-from kvshot_vllm.training.features import FeatureSet, FeatureSpec, extract_features
+from kvshot_vllm.training.features import (FeatureSet, FeatureSpec, LiveFeatures,
+                                           extract_features)
 from kvshot_vllm.training.ttt import PRESETS, TrainConfig, Trainer
 
 # What the features hold by default: the aux layers EAGLE-3 fuses and every layer a default
@@ -27,11 +28,15 @@ def feature_spec(target_dir: Path, kv_layers: list[int] | None = None,
 
 
 def features_for(data_dir: Path, target_dir: Path, dataset: Path, split: str,
-                 spec: FeatureSpec, device: str = "cpu") -> FeatureSet:
-    """The cached features of `split`, extracted first (on `device`) if missing or
-    unfinished."""
+                 spec: FeatureSpec, device: str = "cpu", live: bool = False
+                 ) -> FeatureSet | LiveFeatures:
+    """The features of `split`: computed on `device` as batches ask with `live`, else cached,
+    extracted first (on `device`) if missing or unfinished."""
     root = data_dir / "features" / Path(dataset).name
     path = root / spec.dir_name(split)
+    if live:
+        return LiveFeatures.create(path.with_name(path.name + "-live"), target_dir, dataset,
+                                   split, spec, device)
     if not (path / "manifest.json").is_file():
         extract_features(target_dir, dataset, split, root, spec, device)
     return FeatureSet(path)
@@ -62,11 +67,12 @@ def drafter_config(target_dir: Path, cfg: TrainConfig, init: Path | None = None,
 
 def train(data_dir: Path, target_dir: Path, dataset: Path, run_dir: Path, cfg: TrainConfig,
           init: Path | None = None, progress: bool = True, forward_dtype: str = "float32",
-          device: str = "cpu", **options) -> Path:
+          device: str = "cpu", live_features: bool = False, **options) -> Path:
     dcfg = drafter_config(target_dir, cfg, init, **options)
     spec = feature_spec(target_dir, sorted(set(dcfg.kv_layers) | set(default_layers(
         dcfg.target.num_layers, 3))), forward_dtype=forward_dtype)
-    features = features_for(data_dir, target_dir, dataset, "train", spec, device)
+    features = features_for(data_dir, target_dir, dataset, "train", spec, device,
+                            live=live_features)
     trainer = Trainer(run_dir, dcfg, cfg, target_dir, features, init=init, device=device)
     if trainer.fresh is not None:
         print(f"warm start from {init}: fresh {', '.join(sorted({n.split('.')[0] for n in trainer.fresh})) or 'nothing'}")

@@ -16,7 +16,7 @@ import torch
 from kvshot_vllm.errors import KVShotError
 from kvshot_vllm.models.config import load_drafter_config
 from kvshot_vllm.models.weights import MANIFEST, save_checkpoint, sha256_of, verify_checkpoint
-from kvshot_vllm.training.features import FeatureSet
+from kvshot_vllm.training.features import open_features
 from kvshot_vllm.training.ttt import TrainConfig, trained_tokens
 
 # A run directory's record of the command that trained it (`kvshot train` writes it).
@@ -36,7 +36,7 @@ def provenance(run_dir: Path) -> dict:
     if not metrics or metrics[-1]["step"] != cfg.steps:
         raise KVShotError(f"{run_dir} has not finished its {cfg.steps} steps; rerun its "
                           f"`kvshot train` command first")
-    features = FeatureSet(Path(run["features"]))
+    features = open_features(Path(run["features"]))
     lengths = [features.length(i) for i in range(len(features))]
     prompt_lens = [features.prompt_length(i) for i in range(len(features))]
     dataset = Path(features.params["dataset"])

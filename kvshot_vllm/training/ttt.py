@@ -32,7 +32,7 @@ from kvshot_vllm.errors import KVShotError
 from kvshot_vllm.models.config import DrafterConfig, validated
 from kvshot_vllm.models.drafter import Drafter, TargetFeatures, build_drafter
 from kvshot_vllm.models.weights import save_checkpoint
-from kvshot_vllm.training.features import FeatureSet
+from kvshot_vllm.training.features import SplitFeatures
 
 
 class TrainConfig(BaseModel):
@@ -132,14 +132,12 @@ def ttt_loss(drafter: Drafter, feats: TargetFeatures, labels: torch.Tensor,
 # ----------------------------------------------------------------------------- vocabulary
 
 
-def draft_vocabulary(features: FeatureSet, size: int, vocab_size: int) -> torch.Tensor:
+def draft_vocabulary(features: SplitFeatures, size: int, vocab_size: int) -> torch.Tensor:
     """EAGLE-3's reduced vocabulary: the `size` tokens the target emits most often in the
     training responses, as d2t [size] (draft i -> target i + d2t[i])."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
-    for i in range(len(features)):
-        item = features.item(i)
-        counts += torch.bincount(item["labels"][item["prompt_len"] - 1:].long(),
-                                 minlength=vocab_size)
+    for labels in features.response_labels():
+        counts += torch.bincount(labels.long(), minlength=vocab_size)
     keep = counts.topk(size).indices.sort().values
     return keep - torch.arange(size)
 
@@ -248,7 +246,7 @@ def warm_start(drafter: Drafter, checkpoint: Path) -> list[str]:
 
 class Trainer:
     def __init__(self, run_dir: Path, drafter_cfg: DrafterConfig, cfg: TrainConfig,
-                 target_dir: Path, features: FeatureSet, init: Path | None = None,
+                 target_dir: Path, features: SplitFeatures, init: Path | None = None,
                  device: str = "cpu") -> None:
         self.run_dir, self.cfg, self.features = Path(run_dir), cfg, features
         self.device = torch.device(device)
