@@ -1,0 +1,93 @@
+"""The workaround of `kvshot_vllm.serving.cpu_fixes` for vLLM's CPU rejection sampler, on
+vLLM's own sampling functions (no engine: seconds). The engine-level check is the sampling
+test (`tests/test_sampling.py`, slow) and `bench/sampling_controls.py`."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+import pytest
+import torch
+
+from kvshot_vllm.distribution import chi2_quantile, goodness_of_fit
+from kvshot_vllm.serving import cpu_fixes
+
+pytest.importorskip("vllm.utils.cpu_triton_utils", reason="vLLM's CPU build")
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+TEMPERATURE, TOP_P = 0.8, 0.95
+PROBS = torch.tensor([0.35, 0.25, 0.15, 0.1, 0.07, 0.05, 0.02, 0.01])
+REQUESTS, DRAFTS = 20_000, 2
+
+
+def test_vllm_cpu_expand_still_writes_nothing_into_a_float_output() -> None:
+    """The bug the workaround is for: when this fails, vLLM has fixed it, and the workaround
+    can go."""
+    import vllm._C  # noqa: F401  (the CPU ops)
+
+    out = torch.full((6,), -7.0)
+    cpu_fixes.vllm_expand_kernel()(out, torch.tensor([0.8, 0.5]), torch.tensor([3, 6], dtype=torch.int32), 0, 1)
+    assert torch.equal(out, torch.full((6,), -7.0))
+
+
+def test_expand_kernel_fills_each_request_s_tokens() -> None:
+    for values, dtype in (([0.8, 0.0, 1.0, 0.7], torch.float32), ([5, 0, 7, 9], torch.int32)):
+        out = torch.full((8,), -1, dtype=dtype)
+        cu = torch.tensor([3, 3, 5, 6], dtype=torch.int32)  # the second request has none
+        cpu_fixes.expand_kernel(out, torch.tensor(values, dtype=dtype), cu, 0, 1)
+        want = [values[0]] * 3 + [values[2]] * 2 + [values[3]] + [-1, -1]
+        assert out.tolist() == pytest.approx(want), dtype
+
+
+def exact_probs() -> dict[int, float]:
+    """The target distribution after temperature and top-p (vLLM's order: the smallest set of
+    most likely tokens whose mass reaches TOP_P)."""
+    p = torch.softmax(PROBS.log() / TEMPERATURE, -1)
+    order = p.argsort(descending=True)
+    keep = (p[order].cumsum(0) - p[order]) < TOP_P
+    kept = p[order][keep]
+    return {int(t): float(x) for t, x in zip(order[keep], kept / kept.sum())}
+
+
+def sampled_positions() -> list[Counter]:
+    """Tokens at each drafted position, through vLLM's rejection sampler: every request drafts
+    the most likely token at each of DRAFTS positions, whose target logits are PROBS."""
+    import vllm.v1.sample.rejection_sampler as rs
+
+    logits = PROBS.log().repeat(REQUESTS * DRAFTS, 1).contiguous()
+    cu = torch.arange(1, REQUESTS + 1, dtype=torch.int32) * DRAFTS
+
+    class Metadata:  # the fields the rejection sampler reads
+        all_greedy, all_random, top_k, generators = False, True, None, {}
+        temperature = torch.full((REQUESTS,), TEMPERATURE)
+        top_p = torch.full((REQUESTS,), TOP_P)
+
+    torch.manual_seed(0)
+    target = rs.apply_sampling_constraints(logits, cu, Metadata())
+    out = rs.rejection_sample(torch.zeros(REQUESTS * DRAFTS, dtype=torch.int32),
+                              [DRAFTS] * REQUESTS, DRAFTS, cu, None, target,
+                              torch.zeros(REQUESTS, 1, dtype=torch.int64), Metadata())
+    counts = []
+    for j in range(DRAFTS):
+        reached = (out[:, :j] == 0).all(1)  # every draft before j accepted
+        counts.append(Counter(out[reached, j].tolist()))
+    return counts
+
+
+def fits(counts: list[Counter]) -> bool:
+    level = chi2_quantile(1 - 1e-3 / DRAFTS, len(exact_probs()))
+    return all(goodness_of_fit(c, exact_probs())[0] < level for c in counts)
+
+
+def test_rejection_sampler_keeps_the_distribution_only_with_the_fix() -> None:
+    """With vLLM's own CPU kernels the sampled tokens at drafted positions do not follow the
+    target's distribution; with the workaround they do (chi-square at a 1e-3 false alarm)."""
+    from vllm.platforms import current_platform
+    from vllm.triton_utils.dispatcher import register_kernels
+
+    current_platform.register_triton_kernel_overrides()  # the CPU kernels, as in a worker
+    register_kernels({cpu_fixes.EXPAND_KERNEL: cpu_fixes.vllm_expand_kernel()})
+    assert not fits(sampled_positions())
+    cpu_fixes.apply()  # registered already: the workaround registers itself again
+    assert fits(sampled_positions())
