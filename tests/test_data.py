@@ -164,6 +164,7 @@ def test_resume_after_kill_gives_the_same_file(target_bf16: Path, data_dir: Path
                           "other CPU kernels")
 
 
+@pytest.mark.slow  # a vLLM engine and transformers' generate: about a minute
 def test_transformers_engine_regenerates_what_vllm_does(target_fp32: Path, data_dir: Path,
                                                         tmp_path: Path) -> None:
     """`--engine transformers` (a GPU machine without vLLM, scripts/gpu_train.sh) writes the
