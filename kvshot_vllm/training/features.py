@@ -296,13 +296,13 @@ class LiveFeatures(SplitFeatures):
 
     BATCH = 32  # sequences per forward when all of them are read (`response_labels`)
 
-    def __init__(self, path: Path, device: str = "cpu") -> None:
+    def __init__(self, path: Path, device: str = "cpu",
+                 seqs: list[tuple[str, list[int], int]] | None = None) -> None:
         super().__init__(path)
         p = self.params
-        self.spec = FeatureSpec(aux_layers=tuple(p["aux_layers"]), kv_layers=tuple(p["kv_layers"]),
-                                max_len=p["max_len"], dtype=p["dtype"],
-                                shard_size=p["shard_size"], forward_dtype=p["forward_dtype"])
-        self.seqs = sequences(Path(p["dataset"]), p["split"], self.spec.max_len)
+        self.spec = FeatureSpec(**{name: tuple(p[name]) if name.endswith("_layers") else p[name]
+                                   for name in FeatureSpec.__dataclass_fields__})
+        self.seqs = seqs or sequences(Path(p["dataset"]), p["split"], self.spec.max_len)
         if [s[0] for s in self.seqs] != p["ids"]:
             raise KVShotError(f"{p['dataset']} no longer holds the {p['split']} sequences that "
                               f"{self.path} was made from; delete it to start over")
@@ -312,9 +312,9 @@ class LiveFeatures(SplitFeatures):
     @classmethod
     def create(cls, out: Path, target_dir: Path, dataset_dir: Path, split: str,
                spec: FeatureSpec, device: str = "cpu") -> "LiveFeatures":
-        _claim(out, target_dir, dataset_dir, split, sequences(dataset_dir, split, spec.max_len),
-               spec, live=True)
-        return cls(out, device)
+        seqs = sequences(dataset_dir, split, spec.max_len)
+        _claim(out, target_dir, dataset_dir, split, seqs, spec, live=True)
+        return cls(out, device, seqs)
 
     @property
     def model(self):
