@@ -185,6 +185,35 @@ async def run_load(base_url: str, model: str, prompts: list[tuple[list[int], int
     return list(outputs), time.perf_counter() - start
 
 
+def vllm_bench_serve(base_url: str, model: str, tokenizer: Path, prompts: list[tuple[str, int]],
+                     concurrency: int, work_dir: Path) -> dict[str, Any]:
+    """vLLM's own benchmark client, `vllm bench serve`, over text prompts and their output
+    lengths (greedy, `ignore_eos`): its saved result, whose `spec_decode_*` fields it derives
+    from the server's /metrics counters as the harness does, by its own code."""
+    import subprocess
+
+    from kvshot_vllm.server import vllm_executable
+
+    work_dir.mkdir(parents=True, exist_ok=True)
+    dataset = work_dir / "prompts.jsonl"
+    dataset.write_text("".join(json.dumps({"prompt": p, "output_tokens": n}) + "\n"
+                               for p, n in prompts))
+    cmd = [vllm_executable(), "bench", "serve", "--backend", "openai", "--base-url", base_url,
+           "--endpoint", "/v1/completions", "--model", str(tokenizer),
+           "--served-model-name", model, "--tokenizer", str(tokenizer),
+           "--dataset-name", "custom", "--dataset-path", str(dataset),
+           "--custom-output-len", "-1", "--skip-chat-template", "--disable-shuffle",
+           "--num-prompts", str(len(prompts)), "--max-concurrency", str(concurrency),
+           "--request-rate", "inf", "--ignore-eos", "--temperature", "0", "--num-warmups", "0",
+           "--disable-tqdm", "--save-result", "--result-dir", str(work_dir),
+           "--result-filename", "vllm-bench.json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0:
+        raise KVShotError(f"vllm bench serve failed ({proc.returncode}): "
+                          f"{proc.stderr.strip()[-2000:]}")
+    return json.loads((work_dir / "vllm-bench.json").read_text())
+
+
 # ----------------------------------------------------------------------------- the sweep
 
 

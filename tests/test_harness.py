@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 from pathlib import Path
@@ -10,8 +11,9 @@ import psutil
 import pytest
 
 from kvshot_vllm.engine import default_dtype
-from kvshot_vllm.harness import SweepArgs, bench_config, load_configs, load_prompts, run_bench
-from kvshot_vllm.server import free_port
+from kvshot_vllm.harness import (SweepArgs, acceptance, bench_config, load_configs, load_prompts,
+                                 run_bench, run_load, scrape_counters, vllm_bench_serve)
+from kvshot_vllm.server import VLLMServer, free_port, serve_command
 from kvshot_vllm.models.weights import init_checkpoint
 from tests.conftest import assert_one_line_error, run_kvshot
 
@@ -131,3 +133,32 @@ def test_bad_bench_input_fails_clearly(target_fp32, data_dir, heldout, tmp_path)
     assert_one_line_error(run_kvshot("bench", "--configs", "none", "--target", str(target_fp32),
                                      "--dataset", str(empty), "--data-dir", str(data_dir)),
                           "no held-out prompts")
+
+
+def test_vllm_bench_serve_agrees_with_the_harness(target_fp32, data_dir, heldout, tmp_path) -> None:
+    """vLLM's own client (`vllm bench serve`) and the harness, the same prompts twice over on
+    one server with the shipped drafter, greedy and fp32 at c = 1 (so both runs draft the same
+    tokens), report the same acceptance length and per-position acceptance."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(target_fp32)
+    prompts = [(tok.decode(ids), n) for ids, n in load_prompts(heldout, 64)] * 2
+    cfg = load_configs(["hidden"], Path("serving_configs"), 3)["hidden"]
+    port = free_port()
+    cmd = serve_command(target_fp32, port, cfg.speculative, dtype="float32", max_model_len=512,
+                        served_model_name="target")
+    with VLLMServer(cmd, port, tmp_path / "serve.log", data_dir) as server:
+        asyncio.run(run_load(server.base_url, "target", prompts[:1], 1, 1))  # warm-up
+        before = scrape_counters(server.base_url)
+        outputs, _ = asyncio.run(run_load(server.base_url, "target", prompts, 1, len(prompts)))
+        ours = acceptance(before, scrape_counters(server.base_url))
+        theirs = vllm_bench_serve(server.base_url, "target", target_fp32, prompts, 1,
+                                  tmp_path / "vllm-bench")
+    assert all(o.success for o in outputs) and theirs["completed"] == len(prompts)
+    assert theirs["total_output_tokens"] == sum(o.output_tokens for o in outputs)
+    assert ours["drafts"] > 20 and ours["accepted"] > 0, ours
+    assert theirs["spec_decode_num_drafts"] == ours["drafts"]
+    assert theirs["spec_decode_accepted_tokens"] == ours["accepted"]
+    assert theirs["spec_decode_acceptance_length"] == pytest.approx(ours["mat"], rel=1e-12)
+    assert theirs["spec_decode_per_position_acceptance_rates"] == pytest.approx(
+        ours["per_position"], rel=1e-12)
