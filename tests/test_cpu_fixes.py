@@ -91,3 +91,45 @@ def test_rejection_sampler_keeps_the_distribution_only_with_the_fix() -> None:
     assert not fits(sampled_positions())
     cpu_fixes.apply()  # registered already: the workaround registers itself again
     assert fits(sampled_positions())
+
+
+def test_vllm_cpu_runner_still_rewinds_generators_by_offset() -> None:
+    """Bug 2 (`cpu_fixes.keep_seeded_streams`): vLLM rewinds a discarded sample's generator with
+    an offset, which a CPU generator does not have. When this fails, the workaround can go."""
+    import inspect
+
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    assert "set_offset" in inspect.getsource(GPUModelRunner._bookkeeping_sync)
+    with pytest.raises(RuntimeError, match="does not use offset"):
+        torch.Generator().get_offset()
+
+
+def test_seeded_request_prefilled_in_chunks(target_fp32, data_dir) -> None:
+    """A seeded, sampled request whose prompt is prefilled in chunks of 64 tokens: with vLLM's
+    own code the engine core dies at its first partial chunk; with the workaround it finishes,
+    with the tokens of an engine that prefilled it in one step (its stream untouched by the
+    discarded samples)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from kvshot_vllm.distribution import chat_prompts
+    from kvshot_vllm.engine import make_llm
+
+    prompt = chat_prompts(target_fp32, ["Tell me about the sea. " * 30])[0]
+    assert len(prompt) > 3 * 64
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=12)
+
+    def generate(budget: int) -> list[int]:
+        llm = make_llm(target_fp32, data_dir, dtype="float32", max_model_len=512,
+                       enable_chunked_prefill=True, max_num_batched_tokens=budget,
+                       max_num_seqs=4)
+        try:
+            out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+        finally:
+            del llm
+        return list(out[0].outputs[0].token_ids)
+
+    chunked = generate(64)
+    assert len(chunked) == 12
+    assert chunked == generate(512)

