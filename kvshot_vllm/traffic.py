@@ -296,7 +296,10 @@ def server_gauges(base_url: str) -> dict[str, float]:
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = urllib.request.urlopen(f"{base_url}/metrics", timeout=10).read().decode()
+    try:
+        text = urllib.request.urlopen(f"{base_url}/metrics", timeout=10).read().decode()
+    except OSError as exc:
+        raise KVShotError(f"cannot read {base_url}/metrics (the server is down?): {exc}") from None
     wanted = {"vllm:kv_cache_usage_perc": "kv_cache_usage", "vllm:num_requests_running":
               "running", "vllm:num_requests_waiting": "waiting"}
     out: dict[str, float] = {}
@@ -357,6 +360,7 @@ def soak_config(name: str, speculative: dict[str, Any] | None, target: Path, dat
                 requests: list[ChatRequest], malformed: list[Malformed], args: SoakArgs,
                 log_dir: Path) -> dict[str, Any]:
     """One configuration: serve, warm up, drive the workload, read the server back, stop it."""
+    from kvshot_vllm.harness import acceptance, scrape_counters
     from kvshot_vllm.server import VLLMServer, free_port, serve_command
 
     port = free_port()
@@ -374,16 +378,16 @@ def soak_config(name: str, speculative: dict[str, Any] | None, target: Path, dat
         pids = process_tree(server.proc.pid)
         asyncio.run(drive(server.base_url, requests[:1], [], 1))  # warm-up
         before = wait_idle(server.base_url, {"kv_cache_usage": 1.0})
+        counters = scrape_counters(server.base_url)
         outcomes, duration = asyncio.run(drive(server.base_url, requests, malformed,
                                                args.concurrency))
-        result.update(duration_s=duration, alive_after=server.alive(),
-                      healthy_after=server.healthy())
-        result.update(gauges_before=before, gauges_idle=wait_idle(server.base_url, before)
-                      if server.alive() else None)
+        result.update(outcomes=[asdict(o) for o in outcomes], duration_s=duration,
+                      alive_after=server.alive(), healthy_after=server.healthy(),
+                      acceptance=acceptance(counters, scrape_counters(server.base_url)))
         pids = sorted(set(pids) | set(process_tree(server.proc.pid)))
-        result["outcomes"] = [asdict(o) for o in outcomes]
+        result.update(gauges_before=before, gauges_idle=wait_idle(server.base_url, before))
     except KVShotError as exc:
-        result["failed"] = str(exc)
+        result["failed"] = f"{exc}; the server's log says: {server.root_cause()}"
     finally:
         server.stop()
     result["processes"] = len(pids)
@@ -418,6 +422,8 @@ def check(result: dict[str, Any], reference: dict[str, Any] | None) -> dict[str,
     if idle is None or idle["running"] or idle["waiting"] \
             or idle["kv_cache_usage"] > before["kv_cache_usage"] + 1e-9:
         problems.append(f"not back to idle: before {before}, after {idle}")
+    if result["speculative_config"] is not None and not result["acceptance"]:
+        problems.append("the server made no drafts: speculation did not run")
     if result["left_behind"]:
         problems.append(f"processes left behind: {result['left_behind']}")
     bad_logprobs = [o.id for o in wellformed if o.logprobs_ok is False]
@@ -475,12 +481,12 @@ def report_lines(data: dict[str, Any]) -> list[str]:
              f"and {len(data['malformed'])} malformed requests: "
              f"{'; '.join(data['malformed'])}.", "",
              "| config | sent | completed | aborted | rejected | errors | malformed as expected | "
-             "JSON valid | greedy = no-spec | latency p50 / p99 s | KV usage before → idle | "
-             "processes left | verdict |", "|" + "---|" * 13]
+             "JSON valid | greedy = no-spec | latency p50 / p99 s | MAT | KV usage before → "
+             "idle | processes left | verdict |", "|" + "---|" * 14]
     for name, r in data["configurations"].items():
         v = r["verdict"]
         if "sent" not in v:
-            lines.append(f"| {name} | " + " | " * 11 + f"{'; '.join(v['problems'])} |")
+            lines.append(f"| {name} | " + " | " * 12 + f"{'; '.join(v['problems'])} |")
             continue
         g0, g1 = r["gauges_before"], r["gauges_idle"] or {}
         lines.append(
@@ -490,6 +496,7 @@ def report_lines(data: dict[str, Any]) -> list[str]:
             + (f"{v['greedy_compared'] - v['greedy_mismatched']}/{v['greedy_compared']}"
                if name != "none" else "reference")
             + f" | {v['latency_p50_s']:.2f} / {v['latency_p99_s']:.2f} | "
+            + (f"{r['acceptance']['mat']:.2f}" if r.get("acceptance") else "-") + " | "
             f"{g0['kv_cache_usage']:.3f} → {g1.get('kv_cache_usage', float('nan')):.3f} | "
             f"{len(r['left_behind'])} | {'pass' if not v['problems'] else '; '.join(v['problems'])} |")
     lines += ["", "What the server said to each malformed request (the first configuration's):", ""]

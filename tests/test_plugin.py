@@ -274,37 +274,6 @@ def test_drafter_missing_a_weight_refuses_to_start(target_fp32, data_dir, drafte
         target_fp32, data_dir, missing, tmp_path)
 
 
-def test_served_drafter_answers_openai_and_moves_metrics(target_fp32, data_dir, drafters,
-                                                         tmp_path) -> None:
-    """`vllm serve` with a serving config (its model path pointed at a test drafter)."""
-    import openai
-    import urllib.request
-
-    config = json.loads((Path(__file__).parents[1] / "serving_configs/kv.json").read_text())
-    config["model"] = str(drafters["kv"])
-    port = free_port()
-    cmd = serve_command(target_fp32, port, json.dumps(config), dtype="float32",
-                        max_model_len=512, served_model_name="smollm2")
-    with VLLMServer(cmd, port, tmp_path / "serve.log", data_dir) as server:
-        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none")
-        chat = [{"role": "user", "content": "Name a planet."}]
-        reply = client.chat.completions.create(model="smollm2", messages=chat, max_tokens=12,
-                                               temperature=0)
-        streamed = "".join(
-            c.choices[0].delta.content or "" for c in client.chat.completions.create(
-                model="smollm2", messages=chat, max_tokens=12, temperature=0, stream=True))
-        completion = client.completions.create(model="smollm2", prompt="The sky is",
-                                               max_tokens=8, temperature=0)
-        streamed_completion = "".join(c.choices[0].text for c in client.completions.create(
-            model="smollm2", prompt="The sky is", max_tokens=8, temperature=0, stream=True))
-        metrics = urllib.request.urlopen(f"{server.base_url}/metrics").read().decode()
-    assert reply.choices[0].message.content and streamed == reply.choices[0].message.content
-    assert completion.choices[0].text and streamed_completion == completion.choices[0].text
-    drafts = [line for line in metrics.splitlines()
-              if line.startswith("vllm:spec_decode_num_drafts_total")]
-    assert drafts and float(drafts[0].split()[-1]) > 0, drafts
-
-
 def _record_proposals(worker) -> None:
     """In the worker: keep, per proposal and request, the verified tokens of this step, the
     bonus token and the drafts."""

@@ -1,6 +1,7 @@
 """The fault and soak run (`kvshot_vllm/traffic.py`): its verdicts on made-up outcomes, and a
 small run against real `vllm serve` processes (no speculation and a KV-reuse drafter, which
-writes into the target's cache). `python bench/soak.py` is the full run: 300 requests at
+writes into the target's cache), which is also the default run's test that a plugin drafter
+answers the `openai` client, streaming and not, and moves vLLM's speculative counters. `python bench/soak.py` is the full run: 300 requests at
 concurrency 32 for every paradigm."""
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ IDLE = {"kv_cache_usage": 0.0, "running": 0.0, "waiting": 0.0}
 def _result(outcomes: list[Outcome], idle: dict | None = None, **extra) -> dict:
     return {"failed": None, "outcomes": [asdict(o) for o in outcomes], "alive_after": True,
             "healthy_after": True, "gauges_before": IDLE, "gauges_idle": idle or IDLE,
-            "left_behind": [], **extra}
+            "left_behind": [], "speculative_config": {"method": "eagle3"},
+            "acceptance": {"drafts": 10, "mat": 1.5}, **extra}
 
 
 def _greedy(i: int, text: str) -> Outcome:
@@ -47,6 +49,7 @@ def test_check_flags_every_broken_promise() -> None:
     leak = problems(_result([], idle={**IDLE, "kv_cache_usage": 0.02}))
     assert leak and "not back to idle" in leak[0]
     assert "processes left behind" in problems(_result([], left_behind=[4242]))[0]
+    assert "made no drafts" in problems(_result([], acceptance=None))[0]
     bad_json = Outcome(3, "json", "completed", 0.1, 200, '{"topic": "poetry", "difficult": 1}',
                        "stop", 12)
     assert "do not validate: requests [3]" in problems(_result([bad_json]))[0]
@@ -88,6 +91,8 @@ def test_small_soak_against_real_servers(target_fp32: Path, data_dir: Path, tmp_
         assert r["processes"] >= 2 and r["left_behind"] == []
     kv = data["configurations"]["kv"]["verdict"]
     assert kv["greedy_compared"] >= 4 and kv["aborted"] >= 1, kv
+    assert data["configurations"]["kv"]["acceptance"]["drafts"] > 0
+    assert data["configurations"]["none"]["acceptance"] is None
     report = out.with_suffix(".md").read_text()
     assert "| kv | 20 |" in report and report.rstrip().splitlines()[-1].startswith("Machine: ")
 
