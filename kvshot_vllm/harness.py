@@ -104,8 +104,8 @@ def load_prompts(dataset: Path, max_output_tokens: int) -> list[tuple[list[int],
 # ----------------------------------------------------------------------------- metrics
 
 
-def scrape_counters(base_url: str) -> dict[str, float]:
-    """Spec-decode counters of the server: name (position appended) -> value."""
+def metric_samples(base_url: str) -> list:
+    """Every Prometheus sample the server's /metrics shows now."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
@@ -113,15 +113,19 @@ def scrape_counters(base_url: str) -> dict[str, float]:
     try:
         text = urllib.request.urlopen(f"{base_url}/metrics", timeout=10).read().decode()
     except OSError as exc:
-        raise KVShotError(f"cannot read {base_url}/metrics: {exc}") from None
+        raise KVShotError(f"cannot read {base_url}/metrics (is the server down?): {exc}") from None
+    return [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def scrape_counters(base_url: str) -> dict[str, float]:
+    """Spec-decode counters of the server: name (position appended) -> value."""
     out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name.startswith("vllm:spec_decode_") and s.name.endswith("_total"):
-                key = s.name.removeprefix("vllm:spec_decode_").removesuffix("_total")
-                if "position" in s.labels:
-                    key += f"[{s.labels['position']}]"
-                out[key] = out.get(key, 0.0) + s.value
+    for s in metric_samples(base_url):
+        if s.name.startswith("vllm:spec_decode_") and s.name.endswith("_total"):
+            key = s.name.removeprefix("vllm:spec_decode_").removesuffix("_total")
+            if "position" in s.labels:
+                key += f"[{s.labels['position']}]"
+            out[key] = out.get(key, 0.0) + s.value
     return out
 
 

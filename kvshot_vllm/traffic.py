@@ -27,7 +27,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvshot_vllm.data import chat_prompt
 from kvshot_vllm.errors import KVShotError
+from kvshot_vllm.harness import acceptance, metric_samples, scrape_counters
 
 KINDS = ("greedy", "sampled", "seeded", "logprobs", "json")
 GREEDY_KINDS = ("greedy", "logprobs")  # temperature 0: must equal no speculation
@@ -114,22 +116,17 @@ def prompt_of_length(tokenizer: Any, texts: list[str], rng: random.Random, token
                      ) -> tuple[list[dict[str, str]], int]:
     """A one-turn chat of at most `tokens` prompt tokens, chat template included (at least one
     token of content), built from ShareGPT texts joined and cut at a token boundary."""
-    overhead = len(chat_ids(tokenizer, [{"role": "user", "content": ""}]))
+    overhead = len(chat_prompt(tokenizer, [{"role": "user", "content": ""}]))
     body: list[int] = []
     while len(body) < tokens:
         body += tokenizer.encode("\n\n" + rng.choice(texts), add_special_tokens=False)
     keep = max(1, tokens - overhead)
     while True:  # decoding and re-encoding can merge differently: cut until it fits
         messages = [{"role": "user", "content": tokenizer.decode(body[:keep]).strip() or "Hi."}]
-        length = len(chat_ids(tokenizer, messages))
+        length = len(chat_prompt(tokenizer, messages))
         if length <= tokens or keep == 1:
             return messages, length
         keep = max(1, keep - (length - tokens))
-
-
-def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 def workload(tokenizer: Any, num_requests: int, max_model_len: int, seed: int = 0,
@@ -292,21 +289,12 @@ async def drive(base_url: str, requests: list[ChatRequest], malformed: list[Malf
 
 def server_gauges(base_url: str) -> dict[str, float]:
     """KV cache usage and the running/waiting request counts from /metrics."""
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    try:
-        text = urllib.request.urlopen(f"{base_url}/metrics", timeout=10).read().decode()
-    except OSError as exc:
-        raise KVShotError(f"cannot read {base_url}/metrics (the server is down?): {exc}") from None
     wanted = {"vllm:kv_cache_usage_perc": "kv_cache_usage", "vllm:num_requests_running":
               "running", "vllm:num_requests_waiting": "waiting"}
     out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name in wanted:
-                out[wanted[s.name]] = out.get(wanted[s.name], 0.0) + s.value
+    for s in metric_samples(base_url):
+        if s.name in wanted:
+            out[wanted[s.name]] = out.get(wanted[s.name], 0.0) + s.value
     missing = set(wanted.values()) - set(out)
     if missing:
         raise KVShotError(f"{base_url}/metrics lacks {sorted(missing)}")
@@ -360,7 +348,6 @@ def soak_config(name: str, speculative: dict[str, Any] | None, target: Path, dat
                 requests: list[ChatRequest], malformed: list[Malformed], args: SoakArgs,
                 log_dir: Path) -> dict[str, Any]:
     """One configuration: serve, warm up, drive the workload, read the server back, stop it."""
-    from kvshot_vllm.harness import acceptance, scrape_counters
     from kvshot_vllm.server import VLLMServer, free_port, serve_command
 
     port = free_port()
