@@ -191,8 +191,9 @@ async def send(client: Any, req: ChatRequest) -> Outcome:
             choice = reply.choices[0]
             return Outcome(req.id, req.kind, "completed", time.perf_counter() - start, 200,
                            choice.message.content, choice.finish_reason,
-                           reply.usage.completion_tokens, logprobs_ok(req, choice.logprobs,
-                                                                      reply.usage.completion_tokens))
+                           reply.usage.completion_tokens,
+                           logprobs_ok(req, choice.logprobs.content if choice.logprobs else [],
+                                       reply.usage.completion_tokens))
         stream = await client.chat.completions.create(
             **body, stream=True, stream_options={"include_usage": True})
         parts, finish, chunks, usage, lp = [], None, 0, None, []
@@ -211,7 +212,7 @@ async def send(client: Any, req: ChatRequest) -> Outcome:
                                "".join(parts))
         return Outcome(req.id, req.kind, "completed", time.perf_counter() - start, 200,
                        "".join(parts), finish, usage,
-                       logprobs_ok(req, _Logprobs(lp), usage))
+                       logprobs_ok(req, lp, usage))
     except openai.APIStatusError as exc:
         return Outcome(req.id, req.kind, "rejected", time.perf_counter() - start,
                        exc.status_code, message=str(exc)[:300])
@@ -220,17 +221,12 @@ async def send(client: Any, req: ChatRequest) -> Outcome:
                        message=f"{type(exc).__name__}: {exc}"[:300])
 
 
-@dataclass
-class _Logprobs:
-    content: list
-
-
-def logprobs_ok(req: ChatRequest, logprobs: Any, tokens: int | None) -> bool | None:
+def logprobs_ok(req: ChatRequest, entries: list | None, tokens: int | None) -> bool | None:
     """A logprobs request has one entry per generated token, each with its top-2."""
     if req.kind != "logprobs":
         return None
-    content = getattr(logprobs, "content", None) or []
-    return len(content) == tokens and all(len(e.top_logprobs) == 2 for e in content)
+    entries = entries or []
+    return len(entries) == tokens and all(len(e.top_logprobs) == 2 for e in entries)
 
 
 async def send_malformed(session: Any, base_url: str, bad: Malformed) -> Outcome:
