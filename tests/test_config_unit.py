@@ -26,6 +26,11 @@ def test_defaults_follow_kvshot() -> None:
     hybrid = validated({"paradigm": "hybrid", "target": SMOL})
     assert hybrid.eagle_layers == 1 and hybrid.aux_layers == [2, 15, 27]
     assert validated({"paradigm": "hidden", "target": SMOL}).architecture == "Eagle3LlamaForCausalLM"
+    # where EAGLE-3's default [2, L // 2, L - 3] repeats a layer, spaced layers instead
+    for n in range(3, 12):
+        aux = validated({"paradigm": "hidden", "target": SMOL.model_copy(
+            update={"num_layers": n})}).aux_layers
+        assert len(set(aux)) == 3 and aux == ([2, n // 2, n - 3] if n > 6 else aux), (n, aux)
 
 
 @pytest.mark.parametrize("fields, message", [
@@ -35,6 +40,7 @@ def test_defaults_follow_kvshot() -> None:
     ({"paradigm": "kv", "kv_layer_map": "aligned"}, "one kv_layer per drafter layer"),
     ({"paradigm": "kv", "draft_vocab_size": 60000}, "draft_vocab_size 60000"),
     ({"paradigm": "kv", "ssm_state_size": 8}, "the recurrent mixer belongs to block drafters"),
+    ({"paradigm": "hidden", "aux_layers": [2, 3, 3]}, "aux_layers [2, 3, 3] repeat a layer"),
 ])
 def test_bad_configs_name_the_problem(fields, message) -> None:
     with pytest.raises(KVShotError, match=message.replace("[", r"\[").replace("]", r"\]")):

@@ -303,6 +303,90 @@ PARITY_DRAFTERS = {**{name: {"paradigm": name} for name in paradigm_names()},
                    "block-ssm": {"paradigm": "block", "ssm_state_size": 4}}
 
 
+@pytest.fixture(scope="module")
+def tp_target(target_fp32: Path, tmp_path_factory) -> Path:
+    """A random Llama target whose heads split over two ranks (SmolLM2-135M's 9 heads and 3
+    KV heads do not, and vLLM refuses it at tensor-parallel size 2), with SmolLM2's tokenizer
+    and head size (vLLM's CPU attention kernel takes only some head sizes)."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("tp-target")
+    config = AutoConfig.from_pretrained(target_fp32)
+    config.update(dict(hidden_size=256, intermediate_size=512, num_hidden_layers=6,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                       initializer_range=0.1))
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(out)
+    for f in target_fp32.glob("tokenizer*"):
+        shutil.copy(f, out / f.name)
+    return out
+
+
+def random_drafter(target: Path, options: dict, out: Path) -> Path:
+    """A drafter with random weights large enough that attention over the target's K/V and
+    over its chain decides the drafts, and the target's lm_head."""
+    from kvshot_vllm.models.config import validated
+    from kvshot_vllm.models.weights import (init_weights, save_checkpoint, target_lm_head,
+                                            target_spec)
+
+    cfg = validated({"target": target_spec(target), **options})
+    return save_checkpoint(cfg, init_weights(cfg, seed=3, std=0.08, lm_head=target_lm_head(target)),
+                           out)
+
+
+def served_proposals(target: Path, drafter: Path | None, k: int, batch: list[list[int]],
+                     data_dir: Path, tp: int = 1) -> tuple[list[list[int]], list]:
+    """Greedy outputs of `batch` and every proposal the engine made (`_record_proposals`), at
+    tensor-parallel size `tp` (one vLLM CPU rank per core); no speculation without a drafter."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from kvshot_vllm.engine import make_llm
+
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    if tp > 1:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(map(str, range(tp)))
+    try:
+        llm = make_llm(target, data_dir, tensor_parallel_size=tp, **ENGINE,
+                       speculative_config=drafter and spec(drafter, k, **NON_PADDED))
+        if drafter:
+            llm.collective_rpc(_record_proposals)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch],
+                            SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                            use_tqdm=False)
+        proposals = llm.collective_rpc(_proposals)[0] if drafter else []
+        del llm
+    finally:
+        if bind is None:
+            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+        else:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
+    return [list(o.outputs[0].token_ids) for o in outs], proposals
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n == "hybrid" else pytest.mark.slow)
+                                  for n in PARITY_DRAFTERS])
+def test_tensor_parallel_ranks_draft_what_one_rank_drafts(name, tp_target, data_dir, prompts,
+                                                          tmp_path) -> None:
+    """At tensor-parallel size 2 (vLLM's CPU build, one rank per core) each rank's drafter holds
+    its shards of the layers and reads its own KV heads of the target's cache in place; the
+    engine makes exactly the proposals of size 1, and the outputs stay lossless. The hybrid is
+    in the default run: it holds every sharded layer kind (paged self-attention,
+    cross-attention, MLP). The sharded math against the unsharded training side:
+    tests/test_parallel_unit.py."""
+    drafter = random_drafter(tp_target, PARITY_DRAFTERS[name], tmp_path / name)
+    batch = prompts[:6]
+    one_outs, one = served_proposals(tp_target, drafter, 4, batch, data_dir, tp=1)
+    two_outs, two = served_proposals(tp_target, drafter, 4, batch, data_dir, tp=2)
+    plain_outs, _ = served_proposals(tp_target, None, 0, batch, data_dir, tp=2)
+    assert two_outs == one_outs == plain_outs
+    assert len(one) >= 30 and len({tuple(d) for *_, d in one}) > 5  # drafts vary
+    assert sorted(two) == sorted(one)
+
+
 @pytest.mark.parametrize("name", list(PARITY_DRAFTERS))
 def test_served_drafts_equal_training_side_drafts(name, target_fp32, data_dir, prompts,
                                                  tmp_path) -> None:
@@ -312,37 +396,20 @@ def test_served_drafts_equal_training_side_drafts(name, target_fp32, data_dir, p
     cache and hidden states of the finished sequence (row p reads positions <= p only). So the
     serving path computes the training math, and what the cross layers read in place from
     vLLM's paged cache is what transformers computes. Losslessness alone cannot show this: it
-    holds for any drafter. Weights are random but large enough that attention over the
-    target's K/V and over the chain decides the drafts."""
+    holds for any drafter."""
     import torch
     from transformers import AutoModelForCausalLM
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
 
-    from kvshot_vllm.engine import make_llm
-    from kvshot_vllm.models.config import validated
+    from kvshot_vllm.models.config import load_drafter_config
     from kvshot_vllm.models.drafter import TargetFeatures, load_drafter
-    from kvshot_vllm.models.weights import (init_weights, save_checkpoint, target_lm_head,
-                                            target_spec)
     from kvshot_vllm.training.features import FeatureSpec, target_forward
 
     k = 4
-    cfg = validated({"target": target_spec(target_fp32), **PARITY_DRAFTERS[name]})
-    ckpt = save_checkpoint(cfg, init_weights(cfg, seed=3, std=0.08,
-                                             lm_head=target_lm_head(target_fp32)),
-                           tmp_path / name)
+    ckpt = random_drafter(target_fp32, PARITY_DRAFTERS[name], tmp_path / name)
+    cfg = load_drafter_config(ckpt)
     batch = prompts[:6]
-    llm = make_llm(target_fp32, data_dir, speculative_config=spec(ckpt, k, **NON_PADDED),
-                   **ENGINE)
-    try:
-        llm.collective_rpc(_record_proposals)
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch],
-                            SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
-                            use_tqdm=False)
-        served = llm.collective_rpc(_proposals)[0]
-    finally:
-        del llm
-    sequences = [p + list(o.outputs[0].token_ids) for p, o in zip(batch, outs)]
+    outs, served = served_proposals(target_fp32, ckpt, k, batch, data_dir)
+    sequences = [p + o for p, o in zip(batch, outs)]
 
     drafter = load_drafter(ckpt, target_fp32).eval()
     model = AutoModelForCausalLM.from_pretrained(target_fp32, torch_dtype=torch.float32).eval()

@@ -118,11 +118,15 @@ class DrafterConfig(BaseModel):
         if not self.kv_layers and self.spec.reads_target_kv:
             self.kv_layers = default_layers(n, 3)
         if not self.aux_layers:
-            self.aux_layers = [2, n // 2, n - 3] if n >= 6 else default_layers(n, 3)
+            eagle3 = [2, n // 2, n - 3]  # EAGLE-3's (and vLLM's) default, where distinct
+            self.aux_layers = eagle3 if n > 6 else default_layers(n, 3)
         for name in ("kv_layers", "aux_layers"):
             bad = [i for i in getattr(self, name) if not 0 <= i < n]
             if bad:
                 raise ValueError(f"{name} {bad} out of range for a target with {n} layers")
+        if len(set(self.aux_layers)) != len(self.aux_layers):
+            # vLLM collects each target layer's hidden state once, so fc would get fewer
+            raise ValueError(f"aux_layers {self.aux_layers} repeat a layer")
         if not self.spec.reads_target_kv and self.kv_layers:
             raise ValueError(f"a {self.paradigm} drafter reads no target KV: kv_layers must be "
                              f"empty")

@@ -24,6 +24,7 @@ from kvshot_vllm.errors import KVShotError
 from kvshot_vllm.models.config import (DrafterConfig, TargetSpec, check_fits_target,
                                        load_drafter_config)
 from kvshot_vllm.models.layers import RMSNorm, SelectiveScan, draft_attention, rotate
+from kvshot_vllm.models.parallel import ColumnParallel, RowParallel, local_heads, shard_weights
 from kvshot_vllm.models.weights import check_drafter_weights, target_spec, verify_checkpoint
 
 
@@ -90,14 +91,16 @@ class DraftAttention(nn.Module):
 
     def __init__(self, in_size: int, target: TargetSpec, groups: int = 1) -> None:
         super().__init__()
-        self.groups, self.heads, self.kv_heads, self.head_dim = (
-            groups, target.num_attention_heads, target.num_kv_heads, target.head_dim)
-        q_size = groups * self.heads * self.head_dim
-        kv_size = groups * self.kv_heads * self.head_dim
-        self.q_proj = nn.Linear(in_size, q_size, bias=False)
-        self.k_proj = nn.Linear(in_size, kv_size, bias=False)
-        self.v_proj = nn.Linear(in_size, kv_size, bias=False)
-        self.o_proj = nn.Linear(q_size, target.hidden_size, bias=False)
+        # heads and KV heads of this tensor-parallel rank (all of them on one rank)
+        self.groups, self.head_dim = groups, target.head_dim
+        self.heads = local_heads(target.num_attention_heads, "attention heads")
+        self.kv_heads = local_heads(target.num_kv_heads, "KV heads")
+        q_size = groups * target.num_attention_heads * self.head_dim
+        kv_size = groups * target.num_kv_heads * self.head_dim
+        self.q_proj = ColumnParallel(in_size, q_size, groups)
+        self.k_proj = ColumnParallel(in_size, kv_size, groups)
+        self.v_proj = ColumnParallel(in_size, kv_size, groups)
+        self.o_proj = RowParallel(q_size, target.hidden_size, groups)
 
     def target_context(self, target_kv: list[tuple[torch.Tensor, torch.Tensor]], rope: "Rope"
                        ) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -242,7 +245,7 @@ class Drafter(nn.Module):
 
     def load_checkpoint_weights(self, weights: dict[str, torch.Tensor]) -> None:
         check_drafter_weights(self.cfg, weights)
-        weights = dict(weights)
+        weights = shard_weights(self, weights)
         if "d2t" in weights:
             self.d2t.copy_(weights.pop("d2t"))
         self.load_state_dict(weights, strict=False)

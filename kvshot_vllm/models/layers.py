@@ -6,15 +6,17 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kvshot_vllm.models.parallel import ColumnParallel, RowParallel
+
 
 class SwiGLU(nn.Module):
     """Llama MLP with the checkpoint names gate_proj / up_proj / down_proj."""
 
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_proj = ColumnParallel(hidden, intermediate)
+        self.up_proj = ColumnParallel(hidden, intermediate)
+        self.down_proj = RowParallel(intermediate, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -29,6 +29,9 @@ import torch
 import torch.nn as nn
 
 from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.distributed import (get_tensor_model_parallel_rank,
+                              get_tensor_model_parallel_world_size,
+                              tensor_model_parallel_all_reduce)
 from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import Attention
@@ -42,6 +45,7 @@ from kvshot_vllm.models.hidden import EagleLayer, eagle_forward
 from kvshot_vllm.models.hybrid import corrected
 from kvshot_vllm.models.kv_only import KVLayer
 from kvshot_vllm.models.layers import GatedDelta
+from kvshot_vllm.models.parallel import TensorParallel, shard_weights, tensor_parallel
 from kvshot_vllm.models.weights import check_drafter_weights, verify_checkpoint
 from kvshot_vllm.serving.backend import (block_rows, draft_kv_backend, draft_plan,
                                          platform_backend)
@@ -49,6 +53,13 @@ from kvshot_vllm.serving.checks import check_against_target
 
 # Under the "vllm." namespace: loggers outside it are silent in vLLM worker processes.
 logger = init_logger(f"vllm.{__name__}")
+
+
+def _worker_rank() -> TensorParallel:
+    """This worker's rank in the served target's tensor-parallel group."""
+    return TensorParallel(get_tensor_model_parallel_rank(),
+                          get_tensor_model_parallel_world_size(),
+                          tensor_model_parallel_all_reduce)
 
 
 def target_attention_name(layer: int) -> str:
@@ -191,7 +202,7 @@ class KVShotEagle3LlamaForCausalLM(VerifiedEagle3LlamaForCausalLM):
         if self.kvshot is None:
             raise KVShotError(f"{vllm_config.speculative_config.draft_model_config.model}: a "
                               f"KVShotLlamaEagle3 checkpoint without its 'kvshot' block")
-        cfg, target = self.kvshot, self.kvshot.target
+        target = self.kvshot.target
         stock = {name for name, _ in self.named_children()}
         cache_config = get_current_vllm_config().cache_config
         # The served target's own RoPE (scaling included, e.g. Llama-3.1's), so that drafter
@@ -202,6 +213,23 @@ class KVShotEagle3LlamaForCausalLM(VerifiedEagle3LlamaForCausalLM):
                              rope_parameters=target_rope or {"rope_theta": target.rope_theta,
                                                              "rope_type": "default"},
                              dtype=vllm_config.model_config.dtype)
+        with tensor_parallel(_worker_rank()):
+            self._build_layers(vllm_config, cache_config)
+        # What this class adds to vLLM's EAGLE-3 model: loaded here by name, the rest by
+        # vLLM's loader, which knows the EAGLE-3 names.
+        self._own_modules = {name for name, _ in self.named_children()} - stock - {"rope"}
+        self._draft_step = 0  # which draft position compute_logits is making
+        self._proposals = 0
+        if not vllm_config.speculative_config.disable_padded_drafter_batch:
+            logger.warning(
+                "kvshot: KV-reuse drafter served with the padded drafter batch: after a "
+                "rejection the bonus token's own K/V is not yet written when draft 0 is made, "
+                "which costs acceptance at position 0 (never correctness). Set "
+                '"disable_padded_drafter_batch": true in --speculative-config.')
+
+    def _build_layers(self, vllm_config: VllmConfig, cache_config) -> None:
+        """The training side's layers, this tensor-parallel rank's shards of them."""
+        cfg, target = self.kvshot, self.kvshot.target
         first_index = target.num_layers + cfg.eagle_layers
         if cfg.reads_only_kv:
             reads = cfg.layer_reads()
@@ -223,17 +251,6 @@ class KVShotEagle3LlamaForCausalLM(VerifiedEagle3LlamaForCausalLM):
             self.cross = TargetKVAttention(2 * target.hidden_size, target, cfg.kv_layers,
                                            first_index, self.rope, cache_config)
             self.merge = GatedDelta(target.hidden_size, cfg.gate_init)
-        # What this class adds to vLLM's EAGLE-3 model: loaded here by name, the rest by
-        # vLLM's loader, which knows the EAGLE-3 names.
-        self._own_modules = {name for name, _ in self.named_children()} - stock - {"rope"}
-        self._draft_step = 0  # which draft position compute_logits is making
-        self._proposals = 0
-        if not vllm_config.speculative_config.disable_padded_drafter_batch:
-            logger.warning(
-                "kvshot: KV-reuse drafter served with the padded drafter batch: after a "
-                "rejection the bonus token's own K/V is not yet written when draft 0 is made, "
-                "which costs acceptance at position 0 (never correctness). Set "
-                '"disable_padded_drafter_batch": true in --speculative-config.')
 
     # Called once at the top of every propose(), before draft step 0.
     def combine_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -318,8 +335,9 @@ class KVShotEagle3LlamaForCausalLM(VerifiedEagle3LlamaForCausalLM):
         weights = dict(weights)
         check_drafter_weights(self.kvshot, weights)
         params = dict(self.named_parameters())
-        ours = {n: w for n, w in weights.items()
-                if n.split(".")[0] in self._own_modules or "." not in n and n in params}
+        ours = shard_weights(self, {
+            n: w for n, w in weights.items()
+            if n.split(".")[0] in self._own_modules or "." not in n and n in params})
         for name, w in ours.items():
             with torch.no_grad():
                 params[name].copy_(w.to(params[name].dtype))
