@@ -133,3 +133,43 @@ def test_seeded_request_prefilled_in_chunks(target_fp32, data_dir) -> None:
     chunked = generate(64)
     assert len(chunked) == 12
     assert chunked == generate(512)
+
+
+def test_vllm_cpu_proposer_still_aliases_draft_lengths() -> None:
+    """Bug 3 (`cpu_fixes.separate_draft_lengths`): the non-padded proposer's "device copy" of
+    the sequence lengths is the CPU tensor itself, and it bumps both names each draft step.
+    When this fails, the workaround can go. Its effect through a real engine: with
+    KVSHOT_CPU_FIXES=0, test_plugin.py's parity test finds served EAGLE-3 drafts that differ
+    from the training side's; with the fix, none do."""
+    import inspect
+
+    from vllm.utils.torch_utils import async_tensor_h2d
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+    lengths = torch.tensor([5, 17], dtype=torch.int32)
+    assert async_tensor_h2d(lengths, device="cpu").data_ptr() == lengths.data_ptr()
+    source = inspect.getsource(SpecDecodeBaseProposer)
+    assert "seq_lens_cpu_upper_bound=new_seq_lens_cpu" in source
+    assert "seq_lens_cpu_upper_bound += 1" in source
+
+
+def test_draft_lengths_are_separated() -> None:
+    """The patched `prepare_inputs` hands back metadata whose upper bound is a tensor of its
+    own, with the same values, and leaves separate tensors alone."""
+    from types import SimpleNamespace
+
+    from kvshot_vllm.serving.cpu_fixes import separate_draft_lengths
+
+    lengths = torch.tensor([5, 17])
+    apart = torch.tensor([5, 17])
+
+    class Proposer:
+        def prepare_inputs(self, bound):
+            return SimpleNamespace(seq_lens=lengths, seq_lens_cpu_upper_bound=bound), "indices"
+
+    separate_draft_lengths(Proposer)
+    cad, indices = Proposer().prepare_inputs(lengths)
+    assert indices == "indices" and cad.seq_lens_cpu_upper_bound.tolist() == [5, 17]
+    cad.seq_lens += 1
+    assert cad.seq_lens_cpu_upper_bound.tolist() == [5, 17]
+    assert Proposer().prepare_inputs(apart)[0].seq_lens_cpu_upper_bound is apart

@@ -50,20 +50,6 @@ def draft_plan(metadata: Any) -> DraftKVPlan | None:
     return getattr(metadata, "kvshot_plan", None)
 
 
-def draft_lengths(seq_lens: torch.Tensor, step0_seq_lens: torch.Tensor | None,
-                  draft_index: int) -> torch.Tensor:
-    """Key counts for a draft step: one more than vLLM's, so a row sees the token it carries.
-
-    In the non-padded drafter batch the proposer's seq_lens after step 0 are unreliable on CPU
-    (vLLM 0.32 aliases `seq_lens` with `seq_lens_cpu_upper_bound` when pinned memory is
-    unavailable, and increments both), so there they are rebuilt from step 0's lengths, which
-    equal the verified lengths in that mode.
-    """
-    if draft_index > 0 and step0_seq_lens is not None:
-        return step0_seq_lens + draft_index + 1
-    return seq_lens + 1
-
-
 def write_slots(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
                 max_model_len: int) -> torch.Tensor:
     """Slot of token position seq_len - 1 (the last row's carried token) per request; PAD_SLOT
@@ -79,17 +65,12 @@ def write_slots(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: i
 class DraftKVBuilderMixin:
     """Mixed into a backend's metadata builder; see the module docstring."""
 
-    _step0_seq_lens: torch.Tensor | None = None
-
     def build_for_drafting(self, common_attn_metadata, draft_index: int):
         cad = common_attn_metadata
         n = cad.num_reqs
-        spec = self.vllm_config.speculative_config
-        non_padded = spec is not None and spec.disable_padded_drafter_batch
-        if draft_index == 0:
-            self._step0_seq_lens = cad.seq_lens[:n].clone() if non_padded else None
-        seq_lens = draft_lengths(cad.seq_lens[:n], self._step0_seq_lens, draft_index)
-        seq_lens = seq_lens.to(cad.seq_lens.dtype)
+        # one key more than vLLM's rows see: the token each row carries (CPU fix 3 keeps
+        # vLLM's own lengths right in every draft step)
+        seq_lens = cad.seq_lens[:n] + 1
         cad = dataclasses.replace(cad, seq_lens=seq_lens, max_seq_len=int(seq_lens.max()) if n else 0)
         md = self.build(common_prefix_len=0, common_attn_metadata=cad, fast_build=True)
         rows = block_rows(self.vllm_config)

@@ -1,4 +1,4 @@
-"""Local workarounds for two bugs of vLLM's CPU build, applied by the plugin in every vLLM
+"""Local workarounds for three bugs of vLLM's CPU build, applied by the plugin in every vLLM
 process (with or without speculation: they are not the plugin's, but a server that loads it
 should not have them).
 
@@ -21,6 +21,15 @@ flight with it. Any seeded, sampled request whose prompt outgrows the step's tok
 beside other requests does it (found by `bench/soak.py`). `keep_seeded_streams` does the same
 rewind on the CPU: it keeps those generators' states before sampling and puts them back after,
 and hides them from vLLM's rewind.
+
+3. EAGLE drafts attend stale keys. In the non-padded drafter batch
+(`"disable_padded_drafter_batch": true`), the proposer's `prepare_inputs` copies the new
+sequence lengths "to the device" with `async_tensor_h2d`, which on the CPU returns the tensor
+itself: `seq_lens` and `seq_lens_cpu_upper_bound` are then one tensor, and every later draft
+step adds one to each, so draft step j attends j keys past its own position (slots that hold
+an earlier proposal's drafts, or nothing). Stock EAGLE-3 drafts worse for it, and so do the
+plugin's drafters with a self-attention (the hybrid). `separate_draft_lengths` gives the upper
+bound a tensor of its own.
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ import torch
 ENV = "KVSHOT_CPU_FIXES"
 EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
 CPU_MODEL_RUNNER = "vllm.v1.worker.cpu_model_runner"
+PROPOSER = "vllm.v1.spec_decode.llm_base_proposer"
 
 
 def expand_kernel(output: torch.Tensor, input_val: torch.Tensor, cu_num_tokens: torch.Tensor,
@@ -61,8 +71,8 @@ _replaced: dict = {}  # kernel name -> what vLLM had there before `apply`
 
 
 def apply() -> None:
-    """Make the CPU platform register `expand_kernel` instead of its own, and the CPU model
-    runner keep seeded streams. The platform registers its kernels after the plugins are loaded
+    """Make the CPU platform register `expand_kernel` instead of its own, the CPU model
+    runner keep seeded streams, and EAGLE's draft lengths separate. The platform registers its kernels after the plugins are loaded
     (vLLM's worker init), reading them from `cpu_triton_utils` then; where it already has, the
     kernel is registered again."""
     if os.environ.get(ENV, "1") == "0":
@@ -74,6 +84,7 @@ def apply() -> None:
     # Only workers build a model runner: the API server and the engine core do not import it
     # (seconds each), so the patch waits for the import.
     after_import(CPU_MODEL_RUNNER, lambda module: keep_seeded_streams(module.CPUModelRunner))
+    after_import(PROPOSER, lambda module: separate_draft_lengths(module.SpecDecodeBaseProposer))
     _replaced.setdefault(EXPAND_KERNEL, cpu_triton_utils._expand_kernel_impl)
     cpu_triton_utils._expand_kernel_impl = expand_kernel
     from vllm.triton_utils import dispatcher
@@ -135,3 +146,23 @@ def keep_seeded_streams(runner_cls: type) -> None:
 
     runner_cls._sample, runner_cls._bookkeeping_sync = _sample, _bookkeeping_sync
     runner_cls._kvshot_keeps_seeded_streams = True
+
+
+def separate_draft_lengths(proposer_cls: type) -> None:
+    """Patch a proposer class so that the draft metadata of the non-padded drafter batch has
+    an upper bound of the sequence lengths apart from the lengths themselves."""
+    if getattr(proposer_cls, "_kvshot_separate_draft_lengths", False):
+        return
+    prepare = proposer_cls.prepare_inputs
+
+    @wraps(prepare)
+    def prepare_inputs(self, *args, **kwargs):
+        cad, token_indices = prepare(self, *args, **kwargs)
+        bound = cad.seq_lens_cpu_upper_bound
+        if bound is not None and bound.data_ptr() == cad.seq_lens.data_ptr():
+            cad.seq_lens_cpu_upper_bound = bound.clone()
+        return cad, token_indices
+
+    proposer_cls.prepare_inputs = prepare_inputs
+    proposer_cls._kvshot_separate_draft_lengths = True
+
