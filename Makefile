@@ -15,7 +15,7 @@ demo: setup
 	$(PY) scripts/demo.py
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 test-slow: setup
 	$(PY) -m pytest -q -m slow

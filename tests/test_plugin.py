@@ -387,7 +387,9 @@ def test_tensor_parallel_ranks_draft_what_one_rank_drafts(name, tp_target, data_
     assert sorted(two) == sorted(one)
 
 
-@pytest.mark.parametrize("name", list(PARITY_DRAFTERS))
+# The plain block drafter's serving path is the block-ssm one's without the mixer: slow set.
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "block" else n
+                                  for n in PARITY_DRAFTERS])
 def test_served_drafts_equal_training_side_drafts(name, target_fp32, data_dir, prompts,
                                                  tmp_path) -> None:
     """What vLLM drafts is what the training-side drafter drafts: for every proposal of a
