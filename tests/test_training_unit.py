@@ -279,3 +279,20 @@ def test_rows_without_loss_are_skipped_without_changing_the_loss(paradigm, optio
     assert len(grad_cut) == len(grad_all)
     for a, b in zip(grad_cut, grad_all):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_curve_counts_the_tokens_of_a_shipped_drafter_it_started_from(tmp_path) -> None:
+    """A run warm-started from a shipped drafter inherits the budget its manifest records;
+    one that was itself warm-started is refused rather than undercounted."""
+    import json
+
+    from kvshot_vllm.errors import KVShotError
+    from kvshot_vllm.training.curve import shipped_tokens
+
+    budget = {"steps": 200, "batch_size": 8, "tokens": 672401, "loss_tokens": 341550}
+    (tmp_path / "manifest.json").write_text(json.dumps({"budget": budget, "init": None}))
+    assert shipped_tokens(tmp_path, 3200) == {"tokens": 672401, "loss_tokens": 341550,
+                                              "epochs": 0.5}
+    (tmp_path / "manifest.json").write_text(json.dumps({"budget": budget, "init": "elsewhere"}))
+    with pytest.raises(KVShotError, match="itself warm-started"):
+        shipped_tokens(tmp_path, 3200)

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from kvshot_vllm.errors import KVShotError
+from kvshot_vllm.models.weights import MANIFEST
 from kvshot_vllm.training.diagnostics import stepwise_acceptance
 from kvshot_vllm.training.features import SplitFeatures, open_features
 from kvshot_vllm.training.ttt import TrainConfig, trained_tokens
@@ -38,9 +39,24 @@ def run_tokens(run_dir: Path, step: int) -> dict[str, float]:
     own["epochs"] = step * cfg.batch_size / len(train)
     if not run.get("init"):
         return own
-    parent, parent_step = checkpoint_origin(Path(run["init"]))
-    before = run_tokens(parent, parent_step)
+    init = Path(run["init"])
+    if (init / MANIFEST).is_file():  # a shipped drafter: its manifest has its budget
+        before = shipped_tokens(init, len(train))
+    else:
+        before = run_tokens(*checkpoint_origin(init))
     return {key: own[key] + before[key] for key in own}
+
+
+def shipped_tokens(checkpoint: Path, train_records: int) -> dict[str, float]:
+    """Tokens a shipped drafter was trained on, from its manifest; epochs counted in records of
+    the data set of the run that warm-starts from it."""
+    manifest = json.loads((checkpoint / MANIFEST).read_text())
+    budget = manifest["budget"]
+    if manifest.get("init"):
+        raise KVShotError(f"{checkpoint} was itself warm-started ({manifest['init']}): the "
+                          f"tokens before it are not in its manifest")
+    return {"tokens": budget["tokens"], "loss_tokens": budget["loss_tokens"],
+            "epochs": budget["steps"] * budget["batch_size"] / train_records}
 
 
 def checkpoint_origin(ckpt: Path) -> tuple[Path, int]:
