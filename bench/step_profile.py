@@ -93,14 +93,13 @@ def install(worker) -> Timers:
 
 def stages(t: dict[str, float], engine_s: float) -> dict[str, float]:
     """Per-stage seconds from the timers' sums and the engine steps' wall time."""
+    out = {name: t.get(name, 0.0) for name in STAGES}
     proposer = ("proposer input preparation", "drafter layers", "drafter lm_head")
-    out = {name: t.get(name, 0.0) for name in STAGES if name in t or name in proposer}
-    out["proposer rest"] = t.get("propose", 0.0) - sum(out.get(n, 0.0) for n in proposer)
+    out["proposer rest"] = t.get("propose", 0.0) - sum(out[n] for n in proposer)
     inside = ("input preparation", "target forward", "logits", "sampling")
-    out["worker rest"] = (t.get("worker", 0.0) - sum(out.get(n, 0.0) for n in inside)
-                          - t.get("propose", 0.0))
+    out["worker rest"] = t.get("worker", 0.0) - sum(out[n] for n in inside) - t.get("propose", 0.0)
     out["scheduling + IPC"] = engine_s - t.get("worker", 0.0)
-    return {name: out.get(name, 0.0) for name in STAGES}
+    return out
 
 
 def profile(target: Path, data_dir: Path, spec: dict | None, prompts: list[list[int]],
@@ -168,7 +167,7 @@ def plot(runs: dict[str, dict[int, dict]], levels: list[int], out: Path) -> None
 
 def main() -> None:
     from kvshot_vllm.data import PrepareArgs, SourceStats, first_turn_prompts, packaged_sharegpt
-    from kvshot_vllm.engine import configure_vllm_env, cpu_info, default_dtype
+    from kvshot_vllm.engine import configure_vllm_env, default_dtype
     from kvshot_vllm.harness import load_configs
     from kvshot_vllm.models.weights import init_checkpoint
     from kvshot_vllm.paths import resolve_data_dir
@@ -233,7 +232,7 @@ def main() -> None:
     lines += ["", f"Plot: `{Path(a.out).with_suffix('.png').name}` (ms per output token by stage)."]
     out = Path(a.out)
     write_results(out, {"command": command, "k": a.k, "levels": a.levels, "untrained": untrained,
-                        "cpu": cpu_info(), "runs": runs}, lines)
+                        "runs": runs}, lines)
     plot(runs, a.levels, out)
 
 

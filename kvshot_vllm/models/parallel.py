@@ -56,10 +56,6 @@ def tensor_parallel(tp: TensorParallel) -> Iterator[None]:
         _current = saved
 
 
-def current() -> TensorParallel:
-    return _current
-
-
 def local_heads(total: int, what: str) -> int:
     """This rank's share of `total` attention heads, or a clear error if they do not split."""
     size = _current.size
