@@ -82,7 +82,8 @@ def rank_view(feats: TargetFeatures, rank: int, size: int) -> TargetFeatures:
                           {n: (own(k), own(v)) for n, (k, v) in feats.target_kv.items()})
 
 
-@pytest.mark.parametrize("hf,size", [(NINE_BY_THREE, 3), (FOUR_BY_TWO, 2)], ids=["9x3-tp3", "4x2-tp2"])
+@pytest.mark.parametrize("hf,size", [(NINE_BY_THREE, 3), (FOUR_BY_TWO, 2)],
+                         ids=["9x3-tp3", "4x2-tp2"])
 @pytest.mark.parametrize("paradigm,options", CASES)
 def test_sharded_ranks_draft_what_the_unsharded_drafter_drafts(paradigm, options, hf, size):
     t, steps = 10, 4

@@ -72,9 +72,9 @@ _replaced: dict = {}  # kernel name -> what vLLM had there before `apply`
 
 def apply() -> None:
     """Make the CPU platform register `expand_kernel` instead of its own, the CPU model
-    runner keep seeded streams, and EAGLE's draft lengths separate. The platform registers its kernels after the plugins are loaded
-    (vLLM's worker init), reading them from `cpu_triton_utils` then; where it already has, the
-    kernel is registered again."""
+    runner keep seeded streams, and EAGLE's draft lengths separate. The platform registers its
+    kernels after the plugins are loaded (vLLM's worker init), reading them from
+    `cpu_triton_utils` then; where it already has, the kernel is registered again."""
     if os.environ.get(ENV, "1") == "0":
         return
     try:
@@ -165,4 +165,3 @@ def separate_draft_lengths(proposer_cls: type) -> None:
 
     proposer_cls.prepare_inputs = prepare_inputs
     proposer_cls._kvshot_separate_draft_lengths = True
-
