@@ -203,6 +203,10 @@ def test_learning_curve_of_snapshots(data_dir, target_fp32, dataset, train_featu
     (warm,) = learning_curve(warm_dir, target_fp32, heldout, steps=4, progress=False)
     assert warm["epochs"] == pytest.approx(4)
     assert rows[1]["loss_tokens"] < warm["loss_tokens"] < rows[1]["loss_tokens"] + 2 * per_epoch
+    # ... as recorded when the warm run started: its init's run may be gone since
+    (run_dir / "run.json").rename(tmp_path / "first-run.json")
+    assert learning_curve(warm_dir, target_fp32, heldout, steps=4, progress=False) == [warm]
+    (tmp_path / "first-run.json").rename(run_dir / "run.json")
     outside = tmp_path / "outside"
     shutil.copytree(run_dir / "snapshots" / "step-000004", outside)
     _trainer(tmp_path / "warm-outside", target_fp32, train_features, "kv", steps=4,

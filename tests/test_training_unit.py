@@ -282,17 +282,22 @@ def test_rows_without_loss_are_skipped_without_changing_the_loss(paradigm, optio
 
 
 def test_curve_counts_the_tokens_of_a_shipped_drafter_it_started_from(tmp_path) -> None:
-    """A run warm-started from a shipped drafter inherits the budget its manifest records;
-    one that was itself warm-started is refused rather than undercounted."""
+    """A run warm-started from a shipped drafter inherits the budget its manifest records (its
+    total, when it was itself warm-started); a warm-started one without a total is refused
+    rather than undercounted."""
     import json
 
     from kvshot_vllm.errors import KVShotError
-    from kvshot_vllm.training.curve import shipped_tokens
+    from kvshot_vllm.training.curve import shipped_budget
 
     budget = {"steps": 200, "batch_size": 8, "tokens": 672401, "loss_tokens": 341550}
     (tmp_path / "manifest.json").write_text(json.dumps({"budget": budget, "init": None}))
-    assert shipped_tokens(tmp_path, 3200) == {"tokens": 672401, "loss_tokens": 341550,
-                                              "epochs": 0.5}
+    assert shipped_budget(tmp_path) == {"sequences": 1600, "tokens": 672401,
+                                        "loss_tokens": 341550}
     (tmp_path / "manifest.json").write_text(json.dumps({"budget": budget, "init": "elsewhere"}))
-    with pytest.raises(KVShotError, match="itself warm-started"):
-        shipped_tokens(tmp_path, 3200)
+    with pytest.raises(KVShotError, match="no budget total"):
+        shipped_budget(tmp_path)
+    total = {"sequences": 3840, "tokens": 1593568, "loss_tokens": 809700}
+    (tmp_path / "manifest.json").write_text(json.dumps({"budget": {**budget, "total": total},
+                                                        "init": "elsewhere"}))
+    assert shipped_budget(tmp_path) == total

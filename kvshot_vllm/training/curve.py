@@ -29,34 +29,45 @@ def snapshots(run_dir: Path) -> list[tuple[int, Path]]:
 
 def run_tokens(run_dir: Path, step: int) -> dict[str, float]:
     """Sequences, tokens and loss tokens a run's checkpoint of `step` was trained on, those of
-    the checkpoint it warm-started from included (a kvshot run's, followed back)."""
+    the checkpoint it warm-started from included (recorded when the run started)."""
     run_dir = Path(run_dir)
     run = json.loads((run_dir / "run.json").read_text())
     cfg = TrainConfig.model_validate(run["train"])
     train = open_features(Path(run["features"]))
     own = trained_tokens([train.length(i) for i in range(len(train))],
                          [train.prompt_length(i) for i in range(len(train))], cfg, step)
-    own["epochs"] = step * cfg.batch_size / len(train)
-    if not run.get("init"):
-        return own
-    init = Path(run["init"])
-    if (init / MANIFEST).is_file():  # a shipped drafter: its manifest has its budget
-        before = shipped_tokens(init, len(train))
-    else:
-        before = run_tokens(*checkpoint_origin(init))
-    return {key: own[key] + before[key] for key in own}
+    own["sequences"] = step * cfg.batch_size
+    if run.get("init"):
+        # runs from before init_budget was recorded: the init as it is now
+        before = run.get("init_budget") or budget_before(Path(run["init"]))
+        own = {key: own[key] + before[key] for key in own}
+    own["epochs"] = own["sequences"] / len(train)
+    return own
 
 
-def shipped_tokens(checkpoint: Path, train_records: int) -> dict[str, float]:
-    """Tokens a shipped drafter was trained on, from its manifest; epochs counted in records of
-    the data set of the run that warm-starts from it."""
+def budget_before(init: Path) -> dict[str, int]:
+    """Sequences, tokens and loss tokens that a warm start's checkpoint was trained on, its own
+    warm starts included: from a shipped drafter's manifest, or followed back through kvshot
+    runs."""
+    init = Path(init)
+    if (init / MANIFEST).is_file():
+        return shipped_budget(init)
+    run_dir, step = checkpoint_origin(init)
+    tokens = run_tokens(run_dir, step)
+    return {key: int(tokens[key]) for key in ("sequences", "tokens", "loss_tokens")}
+
+
+def shipped_budget(checkpoint: Path) -> dict[str, int]:
+    """A shipped drafter's whole training budget, from its manifest."""
     manifest = json.loads((checkpoint / MANIFEST).read_text())
     budget = manifest["budget"]
+    if budget.get("total"):
+        return budget["total"]
     if manifest.get("init"):
-        raise KVShotError(f"{checkpoint} was itself warm-started ({manifest['init']}): the "
-                          f"tokens before it are not in its manifest")
-    return {"tokens": budget["tokens"], "loss_tokens": budget["loss_tokens"],
-            "epochs": budget["steps"] * budget["batch_size"] / train_records}
+        raise KVShotError(f"{checkpoint} was warm-started ({manifest['init']}) and its manifest "
+                          f"has no budget total: the tokens before it are unknown")
+    return {"sequences": budget["steps"] * budget["batch_size"], "tokens": budget["tokens"],
+            "loss_tokens": budget["loss_tokens"]}
 
 
 def checkpoint_origin(ckpt: Path) -> tuple[Path, int]:

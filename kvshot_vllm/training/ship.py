@@ -54,10 +54,24 @@ def provenance(run_dir: Path) -> dict:
         "budget": {"steps": cfg.steps, "batch_size": cfg.batch_size, "lr": cfg.lr,
                    "ttt_steps": cfg.ttt_steps, "draft_vocab_size": cfg.draft_vocab_size,
                    **trained_tokens(lengths, prompt_lens, cfg, cfg.steps),
-                   "train_s": round(metrics[-1]["s_per_step"] * cfg.steps, 1)},
+                   "train_s": round(metrics[-1]["s_per_step"] * cfg.steps, 1),
+                   # the warm start's budget included; what `kvshot curve` reads
+                   "total": _total_budget(run_dir, cfg.steps)},
         "seed": cfg.seed,
         "init": run.get("init"),
     }
+
+
+def _total_budget(run_dir: Path, steps: int) -> dict[str, int] | None:
+    """Sequences, tokens and loss tokens the checkpoint was trained on, those of its warm
+    start included; None when the warm start's are unknown."""
+    from kvshot_vllm.training.curve import run_tokens
+
+    try:
+        tokens = run_tokens(run_dir, steps)
+    except KVShotError:
+        return None
+    return {key: int(tokens[key]) for key in ("sequences", "tokens", "loss_tokens")}
 
 
 def ship_drafter(run_dir: Path, name: str, out: Path) -> Path:

@@ -257,9 +257,15 @@ class Trainer:
                "features": str(features.path.resolve()), "target": str(Path(target_dir).resolve()),
                "init": str(init) if init else None}
         run_file = self.run_dir / "run.json"
-        if run_file.exists() and _stored_run(run_file) != run:
-            raise KVShotError(f"{self.run_dir} holds a run with other settings ({run_file}); "
-                              f"choose another --out or delete it")
+        if run_file.exists():
+            stored = _stored_run(run_file)
+            # what the init was trained on, as recorded when the run started
+            run["init_budget"] = stored.setdefault("init_budget", None)
+            if stored != run:
+                raise KVShotError(f"{self.run_dir} holds a run with other settings "
+                                  f"({run_file}); choose another --out or delete it")
+        else:
+            run["init_budget"] = _init_budget(init)
         run_file.write_text(json.dumps(run, indent=2))
 
         torch.manual_seed(cfg.seed)
@@ -400,6 +406,20 @@ class Trainer:
                 "gate": gate_stats(self.drafter),
                 "s_per_step": elapsed / max(1, self.step - first_step),
                 "device": str(self.device)}
+
+
+def _init_budget(init: Path | None) -> dict[str, int] | None:
+    """What a warm start's checkpoint was trained on, kept in run.json so that the run's
+    curve and manifest count it even after that checkpoint is replaced (a shipped drafter is,
+    by the run that improves it); None where unknown (a checkpoint from elsewhere)."""
+    from kvshot_vllm.training.curve import budget_before
+
+    if init is None:
+        return None
+    try:
+        return budget_before(init)
+    except KVShotError:
+        return None
 
 
 def _stored_run(run_file: Path) -> dict:
