@@ -34,6 +34,8 @@ PREEMPTION_TOKENS = 96
 ENGINE = dict(dtype="float32", max_model_len=512, enable_prefix_caching=True,
               enable_chunked_prefill=True, max_num_batched_tokens=64, disable_log_stats=False)
 NON_PADDED = {"disable_padded_drafter_batch": True}
+# Sparse views of the target's KV (issue 15): sink block + two recent blocks of 32 tokens.
+VIEW = {"tokens": 96, "sink_tokens": 32, "block_size": 32}
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +106,8 @@ def drafters(target_fp32: Path, tmp_path_factory) -> dict[str, Path]:
     paths["block-ssm"] = init_checkpoint(target_fp32, root / "block-ssm", paradigm="block",
                                          ssm_state_size=4)
     paths["oracle"] = build_oracle(target_fp32, root / "oracle")
+    paths["hybrid-budget"] = init_checkpoint(target_fp32, root / "hybrid-budget",
+                                             paradigm="hybrid", kv_budget=VIEW)
     return {**paths, **SHIPPED}
 
 
@@ -179,11 +183,13 @@ def test_oracle_sabotage_shows_at_its_position(target_fp32, data_dir, prompts, b
     assert per_pos[2] >= 0.99 * per_pos[1], (per_pos, drafts)
 
 
-@pytest.mark.parametrize("paradigm", ["oracle", pytest.param("kv", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("paradigm", ["oracle", "hybrid-budget",
+                                      pytest.param("kv", marks=pytest.mark.slow)])
 def test_lossless_under_preemption(paradigm, target_fp32, data_dir, prompts, long_baseline,
                                    drafters) -> None:
     """A KV cache too small for 16 growing requests: vLLM preempts and recomputes; every
-    request still completes with the same tokens."""
+    request still completes with the same tokens. The budgeted hybrid reads sparse views of
+    prefixes up to twice its budget, with prefix caching and chunked prefill on."""
     tokens, counters, blocks = generate(target_fp32, data_dir, prompts,
                                         spec(drafters[paradigm], 3, **NON_PADDED),
                                         max_tokens=PREEMPTION_TOKENS,
@@ -223,6 +229,8 @@ BAD_CONFIGS = {
                            "kv_layers [40] out of range for a target with 30 layers"),
     "unknown-paradigm": (lambda c: c["kvshot"].update(paradigm="bogus"),
                          f"paradigm: {choices_message()}"),
+    "budget-whole-context": (lambda c: c["kvshot"].update(kv_budget={**VIEW, "tokens": 256}),
+                             "kv_budget.tokens 256 is the whole context or more"),
 }
 
 
@@ -232,6 +240,7 @@ BAD_CONFIGS = {
     ("other-target", "hidden"),
     pytest.param("layer-out-of-range", "kv", marks=pytest.mark.slow),
     pytest.param("unknown-paradigm", "kv", marks=pytest.mark.slow),
+    pytest.param("budget-whole-context", "kv", marks=pytest.mark.slow),
 ])
 def test_bad_drafter_refuses_to_start(case, paradigm, target_fp32, data_dir, drafters,
                                       tmp_path) -> None:
@@ -301,6 +310,8 @@ def _proposals(worker) -> list:
 # Every drafter the plugin serves, by its checkpoint options.
 PARITY_DRAFTERS = {**{name: {"paradigm": name} for name in paradigm_names()},
                    "block-ssm": {"paradigm": "block", "ssm_state_size": 4}}
+BUDGETED_DRAFTERS = {f"{name}-budget": {"paradigm": name, "kv_budget": VIEW}
+                     for name in ("kv", "hybrid", "block")}
 
 
 @pytest.fixture(scope="module")
@@ -338,7 +349,7 @@ def random_drafter(target: Path, options: dict, out: Path) -> Path:
 
 
 def served_proposals(target: Path, drafter: Path | None, k: int, batch: list[list[int]],
-                     data_dir: Path, tp: int = 1) -> tuple[list[list[int]], list]:
+                     data_dir: Path, tp: int = 1, **engine) -> tuple[list[list[int]], list]:
     """Greedy outputs of `batch` and every proposal the engine made (`_record_proposals`), at
     tensor-parallel size `tp` (one vLLM CPU rank per core); no speculation without a drafter."""
     from vllm import SamplingParams
@@ -350,7 +361,7 @@ def served_proposals(target: Path, drafter: Path | None, k: int, batch: list[lis
     if tp > 1:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(map(str, range(tp)))
     try:
-        llm = make_llm(target, data_dir, tensor_parallel_size=tp, **ENGINE,
+        llm = make_llm(target, data_dir, tensor_parallel_size=tp, **{**ENGINE, **engine},
                        speculative_config=drafter and spec(drafter, k, **NON_PADDED))
         if drafter:
             llm.collective_rpc(_record_proposals)
@@ -387,9 +398,11 @@ def test_tensor_parallel_ranks_draft_what_one_rank_drafts(name, tp_target, data_
     assert sorted(two) == sorted(one)
 
 
-# The plain block drafter's serving path is the block-ssm one's without the mixer: slow set.
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "block" else n
-                                  for n in PARITY_DRAFTERS])
+# The plain block drafter's serving path is the block-ssm one's without the mixer, and the
+# budgeted KV-only and hybrid drafters' view is the block drafter's: slow set.
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=pytest.mark.slow) if n in ("block", "kv-budget", "hybrid-budget")
+    else n for n in [*PARITY_DRAFTERS, *BUDGETED_DRAFTERS]])
 def test_served_drafts_equal_training_side_drafts(name, target_fp32, data_dir, prompts,
                                                  tmp_path) -> None:
     """What vLLM drafts is what the training-side drafter drafts: for every proposal of a
@@ -398,7 +411,8 @@ def test_served_drafts_equal_training_side_drafts(name, target_fp32, data_dir, p
     cache and hidden states of the finished sequence (row p reads positions <= p only). So the
     serving path computes the training math, and what the cross layers read in place from
     vLLM's paged cache is what transformers computes. Losslessness alone cannot show this: it
-    holds for any drafter."""
+    holds for any drafter. Budgeted drafters read a sparse view through a shorter block table
+    in vLLM and a mask in training, over prefixes longer than the budget."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -407,10 +421,14 @@ def test_served_drafts_equal_training_side_drafts(name, target_fp32, data_dir, p
     from kvshot_vllm.training.features import FeatureSpec, target_forward
 
     k = 4
-    ckpt = random_drafter(target_fp32, PARITY_DRAFTERS[name], tmp_path / name)
+    options = {**PARITY_DRAFTERS, **BUDGETED_DRAFTERS}[name]
+    ckpt = random_drafter(target_fp32, options, tmp_path / name)
     cfg = load_drafter_config(ckpt)
-    batch = prompts[:6]
-    outs, served = served_proposals(target_fp32, ckpt, k, batch, data_dir)
+    budget = cfg.kv_budget
+    # budgeted: 4 prompts of about 250 tokens, the 16 prompts end to end
+    batch = [sum(prompts[i::4], []) for i in range(4)] if budget else prompts[:6]
+    outs, served = served_proposals(target_fp32, ckpt, k, batch, data_dir,
+                                    **({"block_size": budget.block_size} if budget else {}))
     sequences = [p + o for p, o in zip(batch, outs)]
 
     drafter = load_drafter(ckpt, target_fp32).eval()
@@ -431,7 +449,7 @@ def test_served_drafts_equal_training_side_drafts(name, target_fp32, data_dir, p
         steps = drafter.chain(feats, k, first_row=p)  # each [1, >= n - p, hidden]: the last rows
         return [int(drafter.target_ids(drafter.lm_head(r[0, p - n]).argmax(-1))) for r in steps]
 
-    compared = equal = 0
+    compared = equal = sparse = 0
     with torch.no_grad():
         for chunk, p, bonus, drafts in served:
             owners = [i for i, s in enumerate(sequences) if p + 1 < len(s) and s[p + 1] == bonus
@@ -439,6 +457,8 @@ def test_served_drafts_equal_training_side_drafts(name, target_fp32, data_dir, p
             if len(owners) != 1 or p + 1 + k > len(sequences[owners[0]]):
                 continue
             compared += 1
+            sparse += bool(budget) and p + 1 > budget.tokens
             equal += drafts == offline_drafts(owners[0], p, drafts)
     assert compared >= 30, compared
+    assert not budget or sparse >= 30, (sparse, compared)  # views that leave blocks out
     assert equal == compared, f"{compared - equal} of {compared} proposals differ"

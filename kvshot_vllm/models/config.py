@@ -17,6 +17,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_valid
                       model_validator)
 
 from kvshot_vllm.errors import KVShotError
+from kvshot_vllm.models.budget import KVBudget
 
 if TYPE_CHECKING:
     from kvshot_vllm.models.registry import Paradigm
@@ -91,6 +92,8 @@ class DrafterConfig(BaseModel):
     # attention, with this state size per channel; 0: attention only.
     ssm_state_size: int = Field(0, ge=0, le=64)
     gate_init: float = 0.5
+    # A sparse view of the target's KV for the cross-attention (`budget.py`); None: all of it.
+    kv_budget: KVBudget | None = None
     draft_vocab_size: int | None = None
     # Test hook: spoil this draft position on every other proposal (see the oracle tests).
     sabotage_step: int | None = None
@@ -134,6 +137,8 @@ class DrafterConfig(BaseModel):
                 self.paradigm != "kv" or len(self.kv_layers) != self.num_layers):
             raise ValueError("kv_layer_map 'aligned' needs a KV-only drafter with one kv_layer "
                              "per drafter layer")
+        if self.kv_budget is not None and not self.spec.reads_target_kv:
+            raise ValueError(f"kv_budget: a {self.paradigm} drafter reads no target KV")
         if self.ssm_state_size and not self.spec.one_block:
             raise ValueError("ssm_state_size: the recurrent mixer belongs to block drafters")
         if self.draft_vocab_size is None:

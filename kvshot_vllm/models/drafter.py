@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 
 from kvshot_vllm.errors import KVShotError
+from kvshot_vllm.models.budget import KVBudget
 from kvshot_vllm.models.config import (DrafterConfig, TargetSpec, check_fits_target,
                                        load_drafter_config)
 from kvshot_vllm.models.layers import RMSNorm, SelectiveScan, draft_attention, rotate
@@ -89,8 +90,10 @@ class DraftAttention(nn.Module):
     s-th sampled target layer; the drafter's own keys of every step join as the chain's tail.
     """
 
-    def __init__(self, in_size: int, target: TargetSpec, groups: int = 1) -> None:
+    def __init__(self, in_size: int, target: TargetSpec, groups: int = 1,
+                 budget: KVBudget | None = None) -> None:
         super().__init__()
+        self.budget = budget  # cross-attention: the view of the target's K/V it reads
         # heads and KV heads of this tensor-parallel rank (all of them on one rank)
         self.groups, self.head_dim = groups, target.head_dim
         self.heads = local_heads(target.num_attention_heads, "attention heads")
@@ -123,7 +126,7 @@ class DraftAttention(nn.Module):
         else:
             chain.diag.append(own)
         ctx = ctx if ctx is not None else chain.ctx
-        outs = [draft_attention(qs[g], ctx[g], [step[g] for step in chain.diag])
+        outs = [draft_attention(qs[g], ctx[g], [step[g] for step in chain.diag], self.budget)
                 for g in range(self.groups)]
         return self.o_proj(torch.cat(outs, dim=-1))
 
@@ -136,8 +139,8 @@ class LinearKVAttention(DraftAttention):
     in place."""
 
     def __init__(self, in_size: int, target: TargetSpec, num_layers: int,
-                 reapply_rope: bool) -> None:
-        super().__init__(in_size, target, groups=1)
+                 reapply_rope: bool, budget: KVBudget | None) -> None:
+        super().__init__(in_size, target, groups=1, budget=budget)
         kv = target.num_kv_heads * target.head_dim
         self.k_merge = nn.Linear(num_layers * kv, kv, bias=False)
         self.v_merge = nn.Linear(num_layers * kv, kv, bias=False)
@@ -160,8 +163,9 @@ class LinearKVAttention(DraftAttention):
 def cross_attention(in_size: int, cfg: DrafterConfig, num_layers: int) -> DraftAttention:
     """The attention over target K/V that `cfg.kv_projection` asks for."""
     if cfg.kv_projection == "linear":
-        return LinearKVAttention(in_size, cfg.target, num_layers, cfg.reapply_rope)
-    return DraftAttention(in_size, cfg.target, groups=num_layers)
+        return LinearKVAttention(in_size, cfg.target, num_layers, cfg.reapply_rope,
+                                 cfg.kv_budget)
+    return DraftAttention(in_size, cfg.target, groups=num_layers, budget=cfg.kv_budget)
 
 
 class Drafter(nn.Module):

@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kvshot_vllm.models.budget import KVBudget, visible_keys
 from kvshot_vllm.models.parallel import ColumnParallel, RowParallel
 
 
@@ -61,7 +62,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def draft_attention(q: torch.Tensor, ctx: tuple[torch.Tensor, torch.Tensor],
-                    diag: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+                    diag: list[tuple[torch.Tensor, torch.Tensor]],
+                    budget: KVBudget | None = None) -> torch.Tensor:
     """Attention of one draft step, for every row of a sequence at once.
 
     Row p attends the context keys of rows 0..p (`ctx`: the target's cached K/V, or the
@@ -72,6 +74,9 @@ def draft_attention(q: torch.Tensor, ctx: tuple[torch.Tensor, torch.Tensor],
     The rows may be the last R of the T context positions (training drops the rows before the
     first one with a loss, `Drafter.chain`): row i is then position T - R + i. Diag entries
     computed for more rows are cut to the same last R.
+
+    With a `budget`, row p sees only the context keys in the view of its p + 1 verified keys
+    (`budget.py`); its chain's keys are always in view.
 
     q: [B, R, H, d]; ctx k, v: [B, KVH, T, d]; diag: list of (k, v) each [B, >= R, KVH, d].
     Returns [B, R, H * d].
@@ -84,6 +89,9 @@ def draft_attention(q: torch.Tensor, ctx: tuple[torch.Tensor, torch.Tensor],
     scale = d**-0.5
     scores = torch.einsum("bkgrd,bksd->bkgrs", qg, ctx_k) * scale  # [B, KVH, G, R, T]
     future = torch.ones(r, t, dtype=torch.bool, device=q.device).triu(t - r + 1)
+    if budget is not None:
+        verified = torch.arange(t - r + 1, t + 1, device=q.device)
+        future |= ~visible_keys(verified, t, budget)
     scores = scores.masked_fill(future, float("-inf"))
     own = [torch.einsum("bkgrd,brkd->bkgr", qg, k).unsqueeze(-1) * scale for k, _ in diag]
     probs = torch.softmax(torch.cat([scores, *own], dim=-1).float(), dim=-1).to(q.dtype)

@@ -12,6 +12,8 @@ so scheduling metadata is still computed by the backend itself, for the adjusted
 subclass also gives the cross layers their own attention group in the proposer.
 
 For a block drafter, draft pass 0 also gets the metadata of its whole block (`_build_block`).
+A drafter with a `kv_budget` reads a sparse view of the target's cache: the same pages through
+a shorter block table (`_in_view`, `models/budget.py`).
 The contract between this builder and the drafter layers is `DraftKVPlan`
 (docs/architecture.md).
 """
@@ -19,10 +21,13 @@ The contract between this builder and the drafter layers is `DraftKVPlan`
 from __future__ import annotations
 
 import dataclasses
-from functools import cache
+import functools
 from typing import Any
 
 import torch
+
+from kvshot_vllm.models.budget import KVBudget, left_out_blocks, view_block_table
+from kvshot_vllm.models.config import DrafterConfig, load_drafter_config
 
 PAD_SLOT = -1
 
@@ -72,17 +77,46 @@ class DraftKVBuilderMixin:
         # vLLM's own lengths right in every draft step)
         seq_lens = cad.seq_lens[:n] + 1
         cad = dataclasses.replace(cad, seq_lens=seq_lens, max_seq_len=int(seq_lens.max()) if n else 0)
-        md = self.build(common_prefix_len=0, common_attn_metadata=cad, fast_build=True)
-        rows = block_rows(self.vllm_config)
+        # draft pass j's last row carries the token at V + j (V: verified length)
+        verified = seq_lens - 1 - draft_index
+        md = self.build(common_prefix_len=0, common_attn_metadata=self._in_view(cad, verified),
+                        fast_build=True)
+        rows = self._block_rows
         md.kvshot_plan = DraftKVPlan(
             write_rows=cad.query_start_loc[1 : n + 1].long() - 1,
             write_slots=write_slots(cad.block_table_tensor[:n], seq_lens,
                                     self.kv_cache_spec.block_size,
                                     self.vllm_config.model_config.max_model_len),
-            block=self._build_block(cad, rows) if draft_index == 0 and rows else None)
+            block=self._build_block(cad, rows, verified) if draft_index == 0 and rows else None)
         return md
 
-    def _build_block(self, cad, k: int):
+    def _in_view(self, cad, verified: torch.Tensor):
+        """`cad` with each request's block table and key counts cut to the drafter's view of
+        its V verified keys (`budget.py`): the same pages, fewer of them, nothing copied. The
+        rows' keys all follow the left-out blocks, so the kernel's causal bounds shift with
+        the key counts. verified [n]."""
+        budget = self._budget
+        if budget is None:
+            return cad
+        n = cad.num_reqs
+        gap = torch.zeros(cad.block_table_tensor.shape[0], dtype=torch.long,
+                          device=verified.device)
+        gap[:n] = left_out_blocks(verified.long(), budget)
+        seq_lens = cad.seq_lens[:n] - (gap[:n] * budget.block_size).to(cad.seq_lens.dtype)
+        return dataclasses.replace(
+            cad, seq_lens=seq_lens, max_seq_len=int(seq_lens.max()) if n else 0,
+            block_table_tensor=view_block_table(cad.block_table_tensor, gap, budget))
+
+    @functools.cached_property
+    def _budget(self) -> KVBudget | None:
+        cfg = drafter_config(self.vllm_config)
+        return cfg.kv_budget if cfg is not None else None
+
+    @functools.cached_property
+    def _block_rows(self) -> int:
+        return block_rows(self.vllm_config)
+
+    def _build_block(self, cad, k: int, verified: torch.Tensor):
         """Metadata for a block drafter's whole proposal in draft pass 0 (`block_layout`)."""
         n = cad.num_reqs
         starts, lens, slots = block_layout(
@@ -94,7 +128,8 @@ class DraftKVBuilderMixin:
             max_seq_len=int(lens.max()) if n else 0, slot_mapping=slots, positions=None,
             seq_lens_cpu_upper_bound=None if cad.seq_lens_cpu_upper_bound is None
             else lens.cpu())
-        md = self.build(common_prefix_len=0, common_attn_metadata=block, fast_build=True)
+        md = self.build(common_prefix_len=0, common_attn_metadata=self._in_view(block, verified),
+                        fast_build=True)
         md.kvshot_plan = DraftKVPlan(write_rows=torch.arange(n * k, device=slots.device),
                                      write_slots=slots)
         return md
@@ -113,17 +148,21 @@ def block_layout(seq_lens: torch.Tensor, block_table: torch.Tensor, k: int, bloc
     return starts, (seq_lens + k - 1).to(seq_lens.dtype), slots
 
 
-def block_rows(vllm_config) -> int:
-    """Rows per proposal that a block drafter computes in draft pass 0; 0 for other drafters."""
-    from kvshot_vllm.models.registry import paradigm
-
+def drafter_config(vllm_config) -> DrafterConfig | None:
+    """The served drafter's kvshot config; None for other drafters."""
     spec = vllm_config.speculative_config
     kvshot = getattr(spec.draft_model_config.hf_config, "kvshot", None) if spec else None
-    one_block = kvshot is not None and paradigm(kvshot["paradigm"]).one_block
-    return spec.num_speculative_tokens if one_block else 0
+    return load_drafter_config({"kvshot": kvshot}) if kvshot is not None else None
 
 
-@cache
+def block_rows(vllm_config) -> int:
+    """Rows per proposal that a block drafter computes in draft pass 0; 0 for other drafters."""
+    cfg = drafter_config(vllm_config)
+    one_block = cfg is not None and cfg.spec.one_block
+    return vllm_config.speculative_config.num_speculative_tokens if one_block else 0
+
+
+@functools.cache
 def draft_kv_backend(base_backend: type) -> type:
     """A subclass of `base_backend` whose builder is `DraftKVBuilderMixin` + the base builder.
 

@@ -181,7 +181,7 @@ class VerifiedEagle3LlamaForCausalLM(Eagle3LlamaForCausalLM):
         block = getattr(draft.hf_config, "kvshot", None)
         cfg = load_drafter_config({"kvshot": block}) if block is not None else None
         if cfg is not None:
-            check_against_target(cfg, vllm_config.model_config.hf_config)
+            check_against_target(cfg, vllm_config)
         with nullcontext() if self.stock_layers else _without_decoder_layers(draft.hf_config):
             super().__init__(vllm_config=vllm_config, prefix=prefix)
         self.kvshot = cfg
