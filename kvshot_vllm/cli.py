@@ -158,6 +158,21 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _multi_view(a: argparse.Namespace) -> dict | None:
+    """--multi-view [TOKENS:P ...] and --view-block-size as TrainConfig.multi_view."""
+    if a.multi_view is None:
+        return None
+    fields: dict = {"block_size": a.view_block_size} if a.view_block_size else {}
+    if a.multi_view:
+        try:
+            fields["budgets"] = {int(t): float(p) for t, p in
+                                 (item.split(":") for item in a.multi_view)}
+        except ValueError:
+            raise KVShotError(f"--multi-view takes TOKENS:PROBABILITY pairs, got "
+                              f"{' '.join(a.multi_view)}") from None
+    return fields
+
+
 def cmd_train(a: argparse.Namespace) -> None:
     from kvshot_vllm.training.pipeline import train, train_config
     from kvshot_vllm.training.ship import COMMAND_FILE
@@ -165,7 +180,7 @@ def cmd_train(a: argparse.Namespace) -> None:
     data_dir, target, dataset = _training_inputs(a)
     cfg = train_config(a.preset, steps=a.steps, batch_size=a.batch_size, lr=a.lr,
                        draft_vocab_size=a.draft_vocab_size, checkpoint_every=a.checkpoint_every,
-                       snapshot_every=a.snapshot_every)
+                       snapshot_every=a.snapshot_every, multi_view=_multi_view(a))
     linear = "-linear" if a.kv_projection == "linear" else ""
     name = a.name or f"{a.paradigm}-{a.num_layers}L{linear}-{a.preset}"
     run_dir = Path(a.out) if a.out else data_dir / "runs" / name
@@ -410,6 +425,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "and the servable checkpoint; default: the preset's)")
     p.add_argument("--snapshot-every", type=int, help="also keep the servable checkpoint every "
                    "N steps under RUN_DIR/snapshots (the points of `kvshot curve`)")
+    p.add_argument("--multi-view", nargs="*", metavar="TOKENS:P",
+                   help="BudgetDraft's multi-view training: each step also runs the chain under "
+                   "a sparse view of the target's K/V, its budget drawn from these (default "
+                   "256:0.4 512:0.3 1024:0.2 2048:0.1), aligned with the full view by KL "
+                   "(weight 0.5)")
+    p.add_argument("--view-block-size", type=int,
+                   help="multi-view: the cache block size views are cut in (default 32, the "
+                   "smallest vLLM's CPU build takes; serve with the same --block-size)")
     p.add_argument("--name", help="run name (default: PARADIGM-NL-PRESET)")
     p.add_argument("--out", help="run directory (default: DATA_DIR/runs/NAME)")
     p.set_defaults(func=cmd_train)

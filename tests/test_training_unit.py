@@ -301,3 +301,45 @@ def test_curve_counts_the_tokens_of_a_shipped_drafter_it_started_from(tmp_path) 
     (tmp_path / "manifest.json").write_text(json.dumps({"budget": {**budget, "total": total},
                                                         "init": "elsewhere"}))
     assert shipped_budget(tmp_path) == total
+
+
+@pytest.mark.parametrize("paradigm", ["kv", "hybrid", "block"])
+def test_multi_view_loss_adds_the_sparse_views_divergence(paradigm: str) -> None:
+    """A view that holds the whole sequence adds nothing; a sparse one adds the KL of its chain
+    from the full chain's, whose gradient reaches the drafter through the sparse branch only."""
+    from kvshot_vllm.models.budget import KVBudget
+    from kvshot_vllm.training.ttt import MultiView, ttt_loss
+
+    drafter = tiny_drafter(paradigm).train()
+    t = 40
+    feats = tiny_features(drafter, t)
+    labels = torch.randint(0, TINY.vocab_size, (1, t), generator=torch.Generator().manual_seed(3))
+    trainable = torch.zeros(1, t, dtype=torch.bool)
+    trainable[0, 10:] = True
+    t2d = torch.arange(TINY.vocab_size)
+    cfg = TrainConfig(steps=1, ttt_steps=3, multi_view=MultiView(budgets={12: 1.0}, block_size=4))
+    plain, accs = ttt_loss(drafter, feats, labels, trainable, cfg, t2d)
+    whole = KVBudget(tokens=40, block_size=4)
+    same, same_accs = ttt_loss(drafter, feats, labels, trainable, cfg, t2d, whole)
+    assert torch.equal(same, plain) and same_accs == accs
+    sparse = KVBudget(tokens=12, block_size=4)
+    total, sparse_accs = ttt_loss(drafter, feats, labels, trainable, cfg, t2d, sparse)
+    assert sparse_accs == accs  # accuracy is the full view's
+    assert total > plain
+    (total - plain).backward()  # the KL term alone
+    cross = [p.grad for n, p in drafter.named_parameters() if "cross" in n]
+    assert cross and all(g is not None for g in cross) and any(g.abs().sum() > 0 for g in cross)
+
+
+def test_multi_view_draws_budgets_by_step() -> None:
+    from kvshot_vllm.errors import KVShotError
+    from kvshot_vllm.training.pipeline import train_config
+    from kvshot_vllm.training.ttt import MultiView
+
+    views = MultiView()
+    draws = [views.draw(0, step).tokens for step in range(2000)]
+    assert draws == [views.draw(0, step).tokens for step in range(2000)]  # resumable
+    for tokens, p in views.budgets.items():
+        assert abs(draws.count(tokens) / len(draws) - p) < 0.04, (tokens, draws.count(tokens))
+    with pytest.raises(KVShotError, match="not a multiple of block_size"):
+        train_config("quick", multi_view={"budgets": {100: 1.0}})

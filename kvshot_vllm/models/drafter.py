@@ -14,6 +14,8 @@ config's.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -90,10 +92,8 @@ class DraftAttention(nn.Module):
     s-th sampled target layer; the drafter's own keys of every step join as the chain's tail.
     """
 
-    def __init__(self, in_size: int, target: TargetSpec, groups: int = 1,
-                 budget: KVBudget | None = None) -> None:
+    def __init__(self, in_size: int, target: TargetSpec, groups: int = 1) -> None:
         super().__init__()
-        self.budget = budget  # cross-attention: the view of the target's K/V it reads
         # heads and KV heads of this tensor-parallel rank (all of them on one rank)
         self.groups, self.head_dim = groups, target.head_dim
         self.heads = local_heads(target.num_attention_heads, "attention heads")
@@ -111,9 +111,10 @@ class DraftAttention(nn.Module):
         return target_kv
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], chain: ChainKV,
-                ctx: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
+                ctx: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                view: KVBudget | None = None) -> torch.Tensor:
         """x [B, T, in] -> [B, T, hidden]. `ctx`: target K/V per group (cross-attention), or None
-        for self-attention."""
+        for self-attention; `view`: the part of `ctx` in view (`budget.py`), None: all."""
         b, t, _ = x.shape
         cos, sin = rope
         q = rotate(self.q_proj(x).view(b, t, self.groups * self.heads, self.head_dim), cos, sin)
@@ -126,7 +127,7 @@ class DraftAttention(nn.Module):
         else:
             chain.diag.append(own)
         ctx = ctx if ctx is not None else chain.ctx
-        outs = [draft_attention(qs[g], ctx[g], [step[g] for step in chain.diag], self.budget)
+        outs = [draft_attention(qs[g], ctx[g], [step[g] for step in chain.diag], view)
                 for g in range(self.groups)]
         return self.o_proj(torch.cat(outs, dim=-1))
 
@@ -139,8 +140,8 @@ class LinearKVAttention(DraftAttention):
     in place."""
 
     def __init__(self, in_size: int, target: TargetSpec, num_layers: int,
-                 reapply_rope: bool, budget: KVBudget | None) -> None:
-        super().__init__(in_size, target, groups=1, budget=budget)
+                 reapply_rope: bool) -> None:
+        super().__init__(in_size, target, groups=1)
         kv = target.num_kv_heads * target.head_dim
         self.k_merge = nn.Linear(num_layers * kv, kv, bias=False)
         self.v_merge = nn.Linear(num_layers * kv, kv, bias=False)
@@ -163,9 +164,8 @@ class LinearKVAttention(DraftAttention):
 def cross_attention(in_size: int, cfg: DrafterConfig, num_layers: int) -> DraftAttention:
     """The attention over target K/V that `cfg.kv_projection` asks for."""
     if cfg.kv_projection == "linear":
-        return LinearKVAttention(in_size, cfg.target, num_layers, cfg.reapply_rope,
-                                 cfg.kv_budget)
-    return DraftAttention(in_size, cfg.target, groups=num_layers, budget=cfg.kv_budget)
+        return LinearKVAttention(in_size, cfg.target, num_layers, cfg.reapply_rope)
+    return DraftAttention(in_size, cfg.target, groups=num_layers)
 
 
 class Drafter(nn.Module):
@@ -186,6 +186,17 @@ class Drafter(nn.Module):
         self.lm_head = nn.Linear(t.hidden_size, cfg.draft_vocab_size, bias=False)
         # draft id i -> target id i + d2t[i] (EAGLE-3's convention, read by vLLM)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        # the view of the target's K/V that cross-attention reads (`budget.py`); None: all
+        self.view = cfg.kv_budget
+
+    @contextmanager
+    def viewing(self, view: KVBudget | None) -> Iterator[None]:
+        """Inside: the cross-attention reads `view` of the target's K/V (multi-view training)."""
+        kept, self.view = self.view, view
+        try:
+            yield
+        finally:
+            self.view = kept
 
     # ------------------------------------------------------------------ per paradigm
 

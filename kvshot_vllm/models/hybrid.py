@@ -28,7 +28,7 @@ class HybridDrafter(HiddenDrafter):
 
     def attention(self, positions, feats, chains):
         return corrected(self.merge, super().attention(positions, feats, chains),
-                         lambda x: cross_attend(self.cross, x, positions, self.rope, feats,
+                         lambda x: cross_attend(self, self.cross, x, positions, feats,
                                                 self.cfg.kv_layers, chains["cross"]))
 
 

@@ -16,11 +16,13 @@ from kvshot_vllm.models.layers import RMSNorm, SelectiveScan, SwiGLU
 from kvshot_vllm.models.registry import register_paradigm
 
 
-def cross_attend(cross: DraftAttention, x: torch.Tensor, positions: torch.Tensor, rope_fn,
-                 feats: TargetFeatures, layers: list[int], chain: ChainKV) -> torch.Tensor:
-    """A row at vLLM position p carries the token at p + 1: its query and own key sit there."""
-    ctx = cross.target_context([feats.target_kv[i] for i in layers], rope_fn)
-    return cross(x, rope_fn(positions + 1), chain, ctx=ctx)
+def cross_attend(drafter: Drafter, cross: DraftAttention, x: torch.Tensor,
+                 positions: torch.Tensor, feats: TargetFeatures, layers: list[int],
+                 chain: ChainKV) -> torch.Tensor:
+    """A row at vLLM position p carries the token at p + 1: its query and own key sit there.
+    It reads the drafter's view of the target's K/V."""
+    ctx = cross.target_context([feats.target_kv[i] for i in layers], drafter.rope)
+    return cross(x, drafter.rope(positions + 1), chain, ctx=ctx, view=drafter.view)
 
 
 class KVLayer(nn.Module):
@@ -63,7 +65,7 @@ class KVOnlyDrafter(Drafter):
     def step(self, embeds, hidden, positions, feats, chains):
         x = embeds
         for i, (layer, reads) in enumerate(zip(self.kv_layers, self.reads)):
-            x = layer(x, lambda cross, h: cross_attend(cross, h, positions, self.rope, feats, reads,
+            x = layer(x, lambda cross, h: cross_attend(self, cross, h, positions, feats, reads,
                                                        chains[f"kv_layers.{i}.cross"]),
                       # block drafters only: `hidden` is their conditioning
                       lambda ssm, x: chains[f"kv_layers.{i}.ssm"].advance(ssm, x, hidden))

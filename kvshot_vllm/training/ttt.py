@@ -26,13 +26,50 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvshot_vllm.errors import KVShotError
+from kvshot_vllm.models.budget import KVBudget
 from kvshot_vllm.models.config import DrafterConfig, validated
 from kvshot_vllm.models.drafter import Drafter, TargetFeatures, build_drafter
 from kvshot_vllm.models.weights import save_checkpoint
 from kvshot_vllm.training.features import SplitFeatures
+
+
+class MultiView(BaseModel):
+    """BudgetDraft's multi-view training: each step also runs the chain under one sparse view
+    of the target's K/V, its budget drawn from `budgets`, and aligns that view's draft
+    distribution with the full view's (KL, weight `weight`), so that one drafter serves any
+    budget (`budget.py`) at little loss of acceptance."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # budget in tokens -> probability (BudgetDraft's distribution)
+    budgets: dict[int, float] = Field(default_factory=lambda: {256: 0.4, 512: 0.3, 1024: 0.2,
+                                                               2048: 0.1})
+    weight: float = Field(0.5, ge=0)
+    # the block size of the cache the drafter will be served from (a view is whole blocks)
+    block_size: int = Field(32, gt=0)
+    sink_tokens: int | None = None
+
+    @model_validator(mode="after")
+    def _valid_views(self) -> "MultiView":
+        if not self.budgets or min(self.budgets.values()) <= 0:
+            raise ValueError(f"budgets {self.budgets}: give at least one, each with a "
+                             f"probability > 0")
+        for tokens in self.budgets:  # each must make a view
+            KVBudget(tokens=tokens, block_size=self.block_size, sink_tokens=self.sink_tokens)
+        return self
+
+    def draw(self, seed: int, step: int) -> KVBudget:
+        """The view of optimizer step `step`: a function of the step, so a resumed run draws
+        what an uninterrupted one does."""
+        g = torch.Generator().manual_seed(seed * 100003 + step + 7)
+        tokens = list(self.budgets)
+        i = int(torch.multinomial(torch.tensor([self.budgets[t] for t in tokens]), 1,
+                                  generator=g))
+        return KVBudget(tokens=tokens[i], block_size=self.block_size,
+                        sink_tokens=self.sink_tokens)
 
 
 class TrainConfig(BaseModel):
@@ -59,6 +96,8 @@ class TrainConfig(BaseModel):
                                        "(`kvshot curve`)")
     log_every: int = Field(10, ge=1)
     seed: int = 0
+    multi_view: MultiView | None = Field(None, description="also train sparse views of the "
+                                         "target's K/V (`MultiView`)")
 
 
 # Sized for the embedded default on 2 CPU cores: quick for the demo and tests (minutes); full
@@ -111,11 +150,15 @@ def chain_predictions(drafter: Drafter, feats: TargetFeatures, labels: torch.Ten
 
 
 def ttt_loss(drafter: Drafter, feats: TargetFeatures, labels: torch.Tensor,
-             trainable: torch.Tensor, cfg: TrainConfig, t2d: torch.Tensor
-             ) -> tuple[torch.Tensor, list[float]]:
+             trainable: torch.Tensor, cfg: TrainConfig, t2d: torch.Tensor,
+             view: KVBudget | None = None) -> tuple[torch.Tensor, list[float]]:
     """Weighted cross-entropy over the chain, and the accuracy of each step. Targets outside
-    the draft vocabulary (t2d = -1) leave the loss but count as misses, as in vLLM."""
-    total, weights, accs = 0.0, 0.0, []
+    the draft vocabulary (t2d = -1) leave the loss but count as misses, as in vLLM.
+
+    With a sparse `view` (multi-view training), plus `cfg.multi_view.weight` times the
+    step-weighted KL divergence of the chain under that view from the full view's, whose
+    distribution is the teacher (no gradient through it)."""
+    total, weights, accs, full = 0.0, 0.0, [], []
     for j, (logits, target, hit, mask) in enumerate(
             chain_predictions(drafter, feats, labels, trainable, cfg.ttt_steps,
                               all_rows=not cfg.loss_rows_only)):
@@ -126,7 +169,20 @@ def ttt_loss(drafter: Drafter, feats: TargetFeatures, labels: torch.Tensor,
                                                                  draft_label[keep])
             weights += cfg.step_weight**j
         accs.append(hit[mask].float().mean().item() if mask.any() else float("nan"))
-    return total / max(weights, 1e-9), accs
+        full.append(logits)
+    loss = total / max(weights, 1e-9)
+    if view is None:
+        return loss, accs
+    kl = 0.0
+    with drafter.viewing(view):
+        sparse = chain_predictions(drafter, feats, labels, trainable, cfg.ttt_steps,
+                                   all_rows=not cfg.loss_rows_only)
+    for j, ((logits, *_), teacher) in enumerate(zip(sparse, full)):
+        if len(logits):
+            kl = kl + cfg.step_weight**j * F.kl_div(
+                F.log_softmax(logits.float(), -1), F.log_softmax(teacher.detach().float(), -1),
+                log_target=True, reduction="batchmean")
+    return loss + cfg.multi_view.weight * kl / max(weights, 1e-9), accs
 
 
 # ----------------------------------------------------------------------------- vocabulary
@@ -252,6 +308,12 @@ class Trainer:
         self.device = torch.device(device)
         features.check_layers(drafter_cfg.aux_layers, drafter_cfg.kv_layers,
                               drafter_cfg.uses_aux_hidden)
+        if cfg.multi_view and not drafter_cfg.spec.reads_target_kv:
+            raise KVShotError(f"multi-view training: a {drafter_cfg.paradigm} drafter reads no "
+                              f"target KV")
+        if cfg.multi_view and drafter_cfg.kv_budget:
+            raise KVShotError("multi-view training trains the full view with sparse ones: "
+                              "drop the drafter's kv_budget")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         run = {"drafter": drafter_cfg.model_dump(mode="json"), "train": cfg.model_dump(),
                "features": str(features.path.resolve()), "target": str(Path(target_dir).resolve()),
@@ -365,7 +427,9 @@ class Trainer:
                                             trainable.to(self.device))
                 with torch.autocast(self.device.type, dtype=torch.bfloat16,
                                     enabled=self.autocast()):
-                    loss, accs = ttt_loss(self.drafter, feats, labels, trainable, cfg, self.t2d)
+                    loss, accs = ttt_loss(
+                        self.drafter, feats, labels, trainable, cfg, self.t2d,
+                        cfg.multi_view and cfg.multi_view.draw(cfg.seed, self.step))
                 self.opt.zero_grad(set_to_none=True)
                 loss.backward()
                 grads = grad_stats(self.drafter)
