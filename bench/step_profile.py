@@ -102,43 +102,58 @@ def stages(t: dict[str, float], engine_s: float) -> dict[str, float]:
     return out
 
 
-def profile(target: Path, data_dir: Path, spec: dict | None, prompts: list[list[int]],
-            level: int, max_tokens: int) -> dict:
+def profile(target: Path, data_dir: Path, spec: dict | None, prompt_sets: dict[str, list[list[int]]],
+            level: int, max_tokens: int, cached_prefixes: bool = False,
+            **settings) -> dict[str, dict]:
+    """Run each set of prompts, `level` at a time, through one engine stepped by hand: per set,
+    the mean time per engine step by stage, tokens per step and the acceptance length. With
+    `cached_prefixes`, each prompt is prefilled before it is timed and served from the prefix
+    cache then, so that the steps timed are decode steps. `settings`: engine settings over this
+    bench's (max_model_len 2048)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from kvshot_vllm.engine import engine_settings, make_llm, spec_decode_counters
 
     llm = make_llm(target, data_dir, speculative_config=spec, max_num_seqs=level,
-                   max_model_len=2048, disable_log_stats=False)
+                   **{"max_model_len": 2048, "disable_log_stats": False, **settings})
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate([TokensPrompt(prompt_token_ids=prompts[0])], params, use_tqdm=False)  # warm-up
+    first = next(iter(prompt_sets.values()))[0]
+    llm.generate([TokensPrompt(prompt_token_ids=first)], params, use_tqdm=False)  # warm-up
     timers = llm.collective_rpc(install)[0]
-    before = spec_decode_counters(llm) if spec else {}
-    steps, engine_s, tokens = 0, 0.0, 0
-    for start in range(0, len(prompts), level):  # `level` requests in flight at a time
-        for i, p in enumerate(prompts[start:start + level]):
-            engine.add_request(f"r{start + i}", TokensPrompt(prompt_token_ids=p), params)
-        while engine.has_unfinished_requests():
-            t0 = time.perf_counter()
-            outputs = engine.step()
-            engine_s += time.perf_counter() - t0
-            steps += 1
-            tokens += sum(len(o.outputs[0].token_ids) for o in outputs if o.finished)
-    split = stages(dict(timers.total), engine_s)
-    after = spec_decode_counters(llm) if spec else {}
-    result = {"engine": engine_settings(llm), "steps": steps, "output_tokens": tokens,
-              "tokens_per_step": tokens / steps, "ms_per_step": 1e3 * engine_s / steps,
-              "ms_per_token": 1e3 * engine_s / tokens,
-              "stage_ms_per_step": {n: 1e3 * s / steps for n, s in split.items()},
-              "stage_ms_per_token": {n: 1e3 * s / tokens for n, s in split.items()}}
-    if spec:
-        drafts = after.get("num_drafts", 0) - before.get("num_drafts", 0)
-        accepted = after.get("num_accepted_tokens", 0) - before.get("num_accepted_tokens", 0)
-        result["acceptance_length"] = 1 + accepted / drafts if drafts else None
+    results = {}
+    for name, prompts in prompt_sets.items():
+        if cached_prefixes:
+            llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                         SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+        timers.total.clear()
+        before = spec_decode_counters(llm) if spec else {}
+        steps, engine_s, tokens = 0, 0.0, 0
+        for start in range(0, len(prompts), level):  # `level` requests in flight at a time
+            for i, p in enumerate(prompts[start:start + level]):
+                engine.add_request(f"{name}-{start + i}", TokensPrompt(prompt_token_ids=p),
+                                    params)
+            while engine.has_unfinished_requests():
+                t0 = time.perf_counter()
+                outputs = engine.step()
+                engine_s += time.perf_counter() - t0
+                steps += 1
+                tokens += sum(len(o.outputs[0].token_ids) for o in outputs if o.finished)
+        split = stages(dict(timers.total), engine_s)
+        after = spec_decode_counters(llm) if spec else {}
+        result = {"engine": engine_settings(llm), "steps": steps, "output_tokens": tokens,
+                  "tokens_per_step": tokens / steps, "ms_per_step": 1e3 * engine_s / steps,
+                  "ms_per_token": 1e3 * engine_s / tokens,
+                  "stage_ms_per_step": {n: 1e3 * s / steps for n, s in split.items()},
+                  "stage_ms_per_token": {n: 1e3 * s / tokens for n, s in split.items()}}
+        if spec:
+            drafts = after.get("num_drafts", 0) - before.get("num_drafts", 0)
+            accepted = after.get("num_accepted_tokens", 0) - before.get("num_accepted_tokens", 0)
+            result["acceptance_length"] = 1 + accepted / drafts if drafts else None
+        results[name] = result
     del llm
-    return result
+    return results
 
 
 def plot(runs: dict[str, dict[int, dict]], levels: list[int], out: Path) -> None:
@@ -210,7 +225,8 @@ def main() -> None:
             # that has already run an ngram engine
             with multiprocessing.get_context("spawn").Pool(1) as pool:
                 runs[name][level] = pool.apply(profile, (target, data_dir, cfg.speculative,
-                                                         prompts, level, a.max_tokens))
+                                                         {"held-out": prompts}, level,
+                                                         a.max_tokens))["held-out"]
             print(name, level, f"{runs[name][level]['ms_per_token']:.2f} ms/token", flush=True)
 
     command = " ".join(["python", *sys.argv])

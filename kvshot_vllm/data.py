@@ -248,6 +248,42 @@ def first_turn_prompts(source: Path, tokenizer: Any, args: PrepareArgs,
             for split, convs in selection.items()}
 
 
+# ------------------------------------------------------------------------- long documents
+
+
+def stdlib_modules() -> list[Path]:
+    """Python's own standard-library modules (top level, tests aside): long real documents
+    that every machine here has, for long-context prompts (issue 15)."""
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in root.glob("*.py") if not p.name.startswith(("test", "_")))
+
+
+def long_document_prompts(tokenizer: Any, prefix_tokens: int, count: int,
+                          split: str | None = "heldout") -> list[Selected]:
+    """`count` prompts of about `prefix_tokens` tokens: the start of a standard-library module
+    the target is asked to continue, one per module (modules split by name as conversations are
+    by id; None: either split). Fewer where too few modules are that long."""
+    prompts = []
+    for module in stdlib_modules():
+        if split is not None and split_of(f"stdlib/{module.stem}_0") != split:
+            continue
+        source = tokenizer(module.read_text(errors="replace"), add_special_tokens=False)
+        ids = source["input_ids"]
+        frame = chat_prompt(tokenizer, [{"role": "user", "content": "Continue this file."}])
+        keep = prefix_tokens - len(frame) - 8
+        if len(ids) < keep:
+            continue
+        text = f"Continue this file, {module.name}:\n\n{tokenizer.decode(ids[:keep])}"
+        messages = [{"role": "user", "content": text}]
+        prompts.append(Selected(f"stdlib/{module.stem}", 1, split_of(f"stdlib/{module.stem}_0"),
+                                messages, chat_prompt(tokenizer, messages)))
+        if len(prompts) == count:
+            break
+    return prompts
+
+
 # ------------------------------------------------------------------------- resumable IO
 
 

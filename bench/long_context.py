@@ -1,0 +1,168 @@
+"""What a draft step costs as the prefix grows, with the full view of the target's KV and with a
+sparse budget (issue 15, item 4: cost side), on long real documents: the starts of Python
+standard-library modules at about 1K, 2K, 4K and 7K tokens, to be continued.
+
+For each configuration one engine runs every bucket (`step_profile.profile`, the same stages),
+timing decode steps: each prompt is prefilled first and then served from the prefix cache. The
+configurations: no speculation, stock EAGLE-3 with the shipped hidden-only drafter (its own
+draft cache covers the whole prefix), and the KV-only and hybrid drafters reading the target's
+cache in place, each with the full view and with a `--budget`-token view. Drafting time
+does not depend on the weights, so the plugin's drafters are untrained (acceptance comes with
+trained ones: tokens per step is reported beside). Also per configuration: the bytes of
+draft-side cache each request holds for its prefix, and the target K/V a draft step reads.
+
+    python bench/long_context.py [--buckets 1024 2048 4096 7168] [--requests 2] [--budget 256]
+        [--levels 1] [--max-tokens 32] [--out bench/results/long_context]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import sys
+from pathlib import Path
+
+from step_profile import profile
+
+BLOCK_SIZE = 32  # the smallest vLLM's CPU attention takes: the finest view
+
+
+def plugin_drafters(target: Path, root: Path, budget: int) -> dict[str, Path]:
+    """Untrained KV-only and hybrid drafters, full view and budgeted."""
+    from kvshot_vllm.models.weights import init_checkpoint
+
+    out = {}
+    for paradigm in ("kv", "hybrid"):
+        out[paradigm] = init_checkpoint(target, root / paradigm, paradigm=paradigm)
+        out[f"{paradigm}@{budget}"] = init_checkpoint(
+            target, root / f"{paradigm}-{budget}", paradigm=paradigm,
+            kv_budget={"tokens": budget, "block_size": BLOCK_SIZE})
+    return out
+
+
+def kv_bytes(ckpt: Path | None, prefix: int, dtype_bytes: int) -> tuple[int, int]:
+    """(draft-side cache bytes a request holds for its prefix, target K/V bytes one draft step
+    reads) of a drafter; (0, 0) without one."""
+    from kvshot_vllm.models.config import load_drafter_config
+
+    if ckpt is None:
+        return 0, 0
+    cfg = load_drafter_config(ckpt)
+    per_token = 2 * cfg.target.num_kv_heads * cfg.target.head_dim * dtype_bytes  # K and V
+    own = cfg.eagle_layers * per_token * prefix
+    view = prefix if cfg.kv_budget is None else min(prefix, cfg.kv_budget.tokens)
+    return own, len(cfg.kv_layers) * per_token * view
+
+
+def main() -> None:
+    from transformers import AutoTokenizer
+
+    from kvshot_vllm.data import long_document_prompts
+    from kvshot_vllm.engine import configure_vllm_env, default_dtype
+    from kvshot_vllm.paths import resolve_data_dir
+    from kvshot_vllm.results import write_results
+    from kvshot_vllm.target import prepare_target
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--buckets", type=int, nargs="+", default=[1024, 2048, 4096, 7168])
+    ap.add_argument("--requests", type=int, default=2, help="prompts per bucket")
+    ap.add_argument("--budget", type=int, default=256, help="view size of the budgeted drafters")
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--levels", type=int, nargs="+", default=[1])
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--out", default="bench/results/long_context")
+    a = ap.parse_args()
+
+    data_dir = resolve_data_dir()
+    configure_vllm_env(data_dir)
+    dtype = default_dtype()
+    target, _ = prepare_target(data_dir, dtype)
+    tok = AutoTokenizer.from_pretrained(target)
+    # prompts of either split: this measures cost, not acceptance
+    buckets = {str(b): [s.prompt_token_ids for s in long_document_prompts(tok, b, a.requests,
+                                                                          split=None)]
+               for b in a.buckets}
+    lengths = {b: sum(map(len, p)) / len(p) for b, p in buckets.items()}
+    shipped = Path(__file__).parents[1] / "drafters/smollm2-135m-instruct/hidden"
+    drafters: dict[str, Path | None] = {"none": None, "eagle3": shipped,
+                                        **plugin_drafters(target, data_dir / "bench-drafters" /
+                                                          "long", a.budget)}
+    max_len = max(a.buckets) + a.max_tokens + 2 * a.k + 64
+    runs: dict[str, dict[int, dict]] = {}
+    for name, ckpt in drafters.items():
+        spec = ckpt and {"method": "eagle3", "model": str(ckpt), "num_speculative_tokens": a.k,
+                         **({} if name == "eagle3" else {"disable_padded_drafter_batch": True})}
+        runs[name] = {}
+        for level in a.levels:
+            with multiprocessing.get_context("spawn").Pool(1) as pool:  # see step_profile
+                runs[name][level] = pool.apply(profile, (target, data_dir, spec, buckets, level,
+                                                         a.max_tokens, True),
+                                               {"max_model_len": max_len,
+                                                "block_size": BLOCK_SIZE,
+                                                "enable_prefix_caching": True})
+            print(name, level, {b: round(r["ms_per_token"], 2)
+                                for b, r in runs[name][level].items()}, flush=True)
+
+    dtype_bytes = 2 if dtype == "bfloat16" else 4
+    command = " ".join(["python", *sys.argv])
+    lines = [f"Draft-step cost against prefix length on {target.name} ({dtype}), k = {a.k}, "
+             f"block size {BLOCK_SIZE}, {a.requests} prompts per bucket (starts of standard-"
+             f"library modules), {a.max_tokens} greedy tokens each, prefixes prefilled before "
+             f"they are timed (decode steps). Plugin drafters untrained.",
+             f"Regenerate: `{command}`", "",
+             "drafter layers: ms per engine step in the drafter's forward passes (all k); "
+             "draft cache: the drafter's own cache for the prefix, per request; KV read: target "
+             "K/V one draft step reads.", ""]
+    for level in a.levels:
+        lines += [f"Concurrency {level}:", "",
+                  "| config | prefix | tokens/step | ms/token | target forward ms/step | "
+                  "drafter layers ms/step | draft cache | KV read per draft step |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for name, by_level in runs.items():
+            for b, r in by_level[level].items():
+                own, read = kv_bytes(drafters[name], int(lengths[b]), dtype_bytes)
+                stage = r["stage_ms_per_step"]
+                lines.append(f"| {name} | {lengths[b]:.0f} | {r['tokens_per_step']:.2f} | "
+                             f"{r['ms_per_token']:.2f} | {stage['target forward']:.2f} | "
+                             f"{stage['drafter layers']:.2f} | {own / 2**10:.0f} KiB | "
+                             f"{read / 2**10:.0f} KiB |")
+        growth = {name: by_level[level][str(a.buckets[-1])]["stage_ms_per_step"]["drafter layers"]
+                  / by_level[level][str(a.buckets[0])]["stage_ms_per_step"]["drafter layers"]
+                  for name, by_level in runs.items() if drafters[name] is not None}
+        lines += ["", f"Drafter layers, {a.buckets[-1]}-token bucket over {a.buckets[0]}: "
+                  + ", ".join(f"{n} {g:.2f}x" for n, g in growth.items()), ""]
+    out = Path(a.out)
+    write_results(out, {"command": command, "k": a.k, "budget": a.budget,
+                        "prefix_tokens": lengths, "runs": runs,
+                        "drafters": {n: str(c) if c else None for n, c in drafters.items()}},
+                  lines + [f"![drafter layers against prefix]({out.with_suffix('.png').name})"])
+    plot(runs, lengths, a.levels[0], out.with_suffix(".png"))
+
+
+def plot(runs: dict, lengths: dict[str, float], level: int, out_png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name, by_level in runs.items():
+        xs = [lengths[b] for b in by_level[level]]
+        axes[0].plot(xs, [r["stage_ms_per_step"]["drafter layers"]
+                          for r in by_level[level].values()], marker="o", label=name)
+        axes[1].plot(xs, [r["ms_per_token"] for r in by_level[level].values()], marker="o",
+                     label=name)
+    axes[0].set_ylabel("drafter layers, ms per engine step")
+    axes[1].set_ylabel("ms per output token")
+    for ax in axes:
+        ax.set_xlabel("prefix tokens")
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=8)
+    fig.suptitle(f"concurrency {level}")
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
