@@ -52,6 +52,25 @@ def test_selection_has_no_overlap_and_fits_budget(target_bf16: Path) -> None:
     assert [c.id for c in again["train"]] == [c.id for c in sel["train"]]
 
 
+def test_long_document_prompts_reach_their_bucket(target_bf16: Path) -> None:
+    """Long-context prompts (issue 15): one standard-library module each, about the asked
+    length, on the asked side of the split."""
+    from transformers import AutoTokenizer
+
+    from kvshot_vllm.data import long_document_prompts, split_of
+
+    tok = AutoTokenizer.from_pretrained(target_bf16)
+    for tokens in (1024, 4096):
+        prompts = long_document_prompts(tok, tokens, 3, split="train")
+        assert len(prompts) == 3 and len({p.conversation for p in prompts}) == 3
+        for p in prompts:
+            assert tokens - 64 <= len(p.prompt_token_ids) <= tokens + 16, len(p.prompt_token_ids)
+            assert p.split == "train" == split_of(f"{p.conversation}_0")
+            assert p.messages[0]["content"].startswith("Continue this file, ")
+    held_out = long_document_prompts(tok, 1024, 50)
+    assert held_out and all(p.split == "heldout" for p in held_out)
+
+
 def test_user_turns_keep_only_an_alternating_start() -> None:
     conv = [{"from": "human", "value": "a"}, {"from": "gpt", "value": "x"},
             {"from": "human", "value": " b "}, {"from": "gpt", "value": "y"},
