@@ -102,9 +102,9 @@ def stages(t: dict[str, float], engine_s: float) -> dict[str, float]:
     return out
 
 
-def profile(target: Path, data_dir: Path, spec: dict | None, prompt_sets: dict[str, list[list[int]]],
-            level: int, max_tokens: int, cached_prefixes: bool = False,
-            **settings) -> dict[str, dict]:
+def profile(target: Path, data_dir: Path, spec: dict | None,
+            prompt_sets: dict[str, list[list[int]]], level: int, max_tokens: int,
+            cached_prefixes: bool = False, **settings) -> dict[str, dict]:
     """Run each set of prompts, `level` at a time, through one engine stepped by hand: per set,
     the mean time per engine step by stage, tokens per step and the acceptance length. With
     `cached_prefixes`, each prompt is prefilled before it is timed and served from the prefix

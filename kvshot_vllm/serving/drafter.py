@@ -243,6 +243,7 @@ class KVShotEagle3LlamaForCausalLM(VerifiedEagle3LlamaForCausalLM):
                 self.block_rows = block_rows(vllm_config)
                 self._max_len = vllm_config.model_config.max_model_len
                 self._block: torch.Tensor | None = None  # [n, k, hidden] this proposal's rows
+                self._logits: torch.Tensor | None = None  # [n, k, vocab] their logits
         else:  # hybrid: EAGLE-3 layers, the first with a cross-attention correction
             self.layers = nn.ModuleList(
                 EagleLayer(target, i, lambda in_size, i=i: PagedSelfAttention(
@@ -311,6 +312,18 @@ class KVShotEagle3LlamaForCausalLM(VerifiedEagle3LlamaForCausalLM):
         out[: rows.shape[0]] = rows
         return out, out
 
+    def _block_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """A block drafter's logits of all k rows in one lm_head call in pass 0 (a small batch
+        costs a read of lm_head's weights whatever its rows, so k calls cost about k times
+        one); passes 1.. hand out their row. hidden_states [n, hidden]: the rows vLLM samples,
+        the block's row `_draft_step` of each request."""
+        n, k, _ = self._block.shape
+        if hidden_states.shape[0] != n:  # not a proposal's rows (a dummy run): as vLLM would
+            return super().compute_logits(hidden_states)
+        if self._draft_step == 0:
+            self._logits = super().compute_logits(self._block.flatten(0, 1)).unflatten(0, (n, k))
+        return self._logits[:, self._draft_step]
+
     def _cross_layer_names(self) -> list[str]:
         return [attn.layer_name for layer in self.kv_layers for attn in layer.cross.attn]
 
@@ -322,7 +335,10 @@ class KVShotEagle3LlamaForCausalLM(VerifiedEagle3LlamaForCausalLM):
         return self.model.norm(prenorm), prenorm
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        logits = super().compute_logits(hidden_states)
+        if self.kvshot.spec.one_block and self._block is not None:
+            logits = self._block_logits(hidden_states)
+        else:
+            logits = super().compute_logits(hidden_states)
         step, self._draft_step = self._draft_step, self._draft_step + 1
         # Test hook: spoil one draft position on every other proposal, so that a test can see
         # the rejection at exactly that position of vLLM's acceptance counters, and that the
