@@ -212,11 +212,17 @@ def cmd_diagnose(a: argparse.Namespace) -> None:
     from kvshot_vllm.training.diagnostics import diagnose, write_report
     from kvshot_vllm.training.pipeline import feature_spec, features_for
 
+    from kvshot_vllm.models.budget import KVBudget
+
     data_dir, target, dataset = _training_inputs(a)
     ckpts = _named_checkpoints(a.checkpoints)
     features = features_for(data_dir, target, dataset, "heldout",
                             feature_spec(target, forward_dtype=a.forward_dtype))
-    results = diagnose(ckpts, target, features, steps=a.steps)
+    try:
+        views = [KVBudget(tokens=t, block_size=a.view_block_size) for t in a.kv_budgets or []]
+    except ValueError as exc:  # pydantic's ValidationError: its first message, one line
+        raise KVShotError(f"--kv-budgets: {exc.errors()[0]['msg']}") from None
+    results = diagnose(ckpts, target, features, steps=a.steps, views=views)
     write_report(results, Path(a.out), "kvshot diagnose " + " ".join(sys.argv[2:]))
 
 
@@ -471,6 +477,11 @@ def build_parser() -> argparse.ArgumentParser:
     forward_dtype(p)
     p.add_argument("checkpoints", nargs="+", metavar="[NAME=]CHECKPOINT")
     p.add_argument("--steps", type=int, default=7, help="draft chain length (default 7)")
+    p.add_argument("--kv-budgets", type=int, nargs="+", metavar="TOKENS",
+                   help="also diagnose every KV-reuse drafter reading a sparse view of the "
+                   "target's KV of each budget (NAME@TOKENS rows; sink block + recent window)")
+    p.add_argument("--view-block-size", type=int, default=32,
+                   help="the cache block size the views are cut in (default 32)")
     p.add_argument("--out", default="results/diagnose", help="output path without suffix")
     p.set_defaults(func=cmd_diagnose)
 

@@ -176,6 +176,18 @@ def test_learning_curve_of_snapshots(data_dir, target_fp32, dataset, train_featu
     heldout = features_for(data_dir, target_fp32, dataset, "heldout", feature_spec(target_fp32))
     rows = learning_curve(run_dir, target_fp32, heldout, steps=4, progress=False)
     assert [r["step"] for r in rows] == [4, 8, 12]
+    # diagnose under sparse views: one that holds every held-out sequence changes nothing
+    from kvshot_vllm.models.budget import KVBudget
+    from kvshot_vllm.training.diagnostics import diagnose
+
+    longest = max(heldout.length(i) for i in range(len(heldout)))
+    whole, small = KVBudget(tokens=32 * (longest // 32 + 3), block_size=32), KVBudget(
+        tokens=48, block_size=16)
+    viewed = diagnose({"kv": ckpt}, target_fp32, heldout, steps=4, progress=False,
+                      views=[whole, small])
+    assert list(viewed) == ["kv", f"kv@{whole.tokens}", "kv@48"]
+    assert viewed[f"kv@{whole.tokens}"]["a"] == viewed["kv"]["a"] == rows[-1]["a"]
+    assert viewed["kv@48"]["view"]["tokens"] == 48
     n = len(train_features)
     per_epoch = sum(train_features.length(i) - train_features.prompt_length(i) for i in range(n))
     assert rows[-1]["loss_tokens"] == 4 * per_epoch and rows[-1]["epochs"] == pytest.approx(4)

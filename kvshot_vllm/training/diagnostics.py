@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
 from kvshot_vllm.errors import KVShotError
+from kvshot_vllm.models.budget import KVBudget
 from kvshot_vllm.models.drafter import Drafter, load_drafter
 from kvshot_vllm.training.features import FeatureSet, SplitFeatures
 from kvshot_vllm.training.ttt import chain_predictions, shifted
@@ -89,14 +92,21 @@ def training_stats(checkpoint: Path) -> dict | None:
 
 
 def diagnose(checkpoints: dict[str, Path], target_dir: Path, features: FeatureSet,
-             steps: int = 7, progress: bool = True) -> dict:
+             steps: int = 7, progress: bool = True, views: Sequence[KVBudget] = ()) -> dict:
+    """One row per checkpoint; with `views`, also NAME@TOKENS per view for each drafter that
+    reads target KV: the same drafter reading that sparse view of it (`budget.py`)."""
     results = {}
     for name, ckpt in checkpoints.items():
         drafter = load_drafter(ckpt, target_dir).eval()
-        results[name] = {"checkpoint": str(ckpt), "paradigm": drafter.cfg.paradigm,
-                         "num_layers": drafter.cfg.num_layers,
-                         **stepwise_acceptance(drafter, features, steps, progress=progress),
-                         "training": training_stats(ckpt)}
+        own = [(name, None)] + [(f"{name}@{v.tokens}", v) for v in views
+                                if drafter.cfg.spec.reads_target_kv]
+        for label, view in own:
+            with drafter.viewing(view) if view else nullcontext():
+                acceptance = stepwise_acceptance(drafter, features, steps, progress=progress)
+            results[label] = {"checkpoint": str(ckpt), "paradigm": drafter.cfg.paradigm,
+                              "num_layers": drafter.cfg.num_layers,
+                              "view": view.model_dump() if view else None, **acceptance,
+                              "training": training_stats(ckpt)}
     return results
 
 
