@@ -177,10 +177,10 @@ def cmd_train(a: argparse.Namespace) -> None:
     from kvshot_vllm.training.pipeline import train, train_config
     from kvshot_vllm.training.ship import COMMAND_FILE
 
-    data_dir, target, dataset = _training_inputs(a)
     cfg = train_config(a.preset, steps=a.steps, batch_size=a.batch_size, lr=a.lr,
                        draft_vocab_size=a.draft_vocab_size, checkpoint_every=a.checkpoint_every,
                        snapshot_every=a.snapshot_every, multi_view=_multi_view(a))
+    data_dir, target, dataset = _training_inputs(a)
     linear = "-linear" if a.kv_projection == "linear" else ""
     name = a.name or f"{a.paradigm}-{a.num_layers}L{linear}-{a.preset}"
     run_dir = Path(a.out) if a.out else data_dir / "runs" / name
@@ -209,19 +209,19 @@ def _named_checkpoints(specs: list[str]) -> dict[str, Path]:
 
 
 def cmd_diagnose(a: argparse.Namespace) -> None:
+    from kvshot_vllm.models.budget import KVBudget
     from kvshot_vllm.training.diagnostics import diagnose, write_report
     from kvshot_vllm.training.pipeline import feature_spec, features_for
 
-    from kvshot_vllm.models.budget import KVBudget
-
+    try:
+        views = [KVBudget(tokens=t, block_size=a.view_block_size) for t in a.kv_budgets or []]
+    except ValueError as exc:  # pydantic's ValidationError: its first message, one line
+        raise KVShotError("--kv-budgets: " + exc.errors()[0]["msg"].removeprefix(
+            "Value error, ")) from None
     data_dir, target, dataset = _training_inputs(a)
     ckpts = _named_checkpoints(a.checkpoints)
     features = features_for(data_dir, target, dataset, "heldout",
                             feature_spec(target, forward_dtype=a.forward_dtype))
-    try:
-        views = [KVBudget(tokens=t, block_size=a.view_block_size) for t in a.kv_budgets or []]
-    except ValueError as exc:  # pydantic's ValidationError: its first message, one line
-        raise KVShotError(f"--kv-budgets: {exc.errors()[0]['msg']}") from None
     results = diagnose(ckpts, target, features, steps=a.steps, views=views)
     write_report(results, Path(a.out), "kvshot diagnose " + " ".join(sys.argv[2:]))
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from kvshot_vllm.errors import KVShotError
 from kvshot_vllm.models.config import DrafterConfig, default_layers, validated
 from kvshot_vllm.models.weights import target_spec
@@ -49,8 +51,11 @@ def train_config(preset: str, **overrides) -> TrainConfig:
                                                  if v is not None}}
     try:
         return TrainConfig.model_validate(fields)
-    except Exception as exc:  # pydantic's message, reduced to one line
-        raise KVShotError(f"invalid training settings: {str(exc).splitlines()[-2:]}") from None
+    except ValidationError as exc:  # pydantic's first message, on one line
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "settings"
+        raise KVShotError(f"invalid training settings: {where}: "
+                          f"{first['msg'].removeprefix('Value error, ')}") from None
 
 
 def drafter_config(target_dir: Path, cfg: TrainConfig, init: Path | None = None,
