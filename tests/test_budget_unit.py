@@ -123,3 +123,14 @@ def test_serving_refuses_a_budget_the_engine_cannot_give() -> None:
         check_against_target(cfg, engine(512, 32))
     with pytest.raises(KVShotError, match="serve with --block-size 32"):
         check_against_target(cfg, engine(2048, 128))
+
+
+def test_cli_refuses_bad_views_before_reading_data() -> None:
+    from tests.conftest import assert_one_line_error, run_kvshot
+
+    assert_one_line_error(run_kvshot("train", "--paradigm", "kv", "--multi-view", "100:1"),
+                          "multi_view: tokens 100 is not a multiple of block_size 32")
+    assert_one_line_error(run_kvshot("train", "--paradigm", "kv", "--multi-view", "256"),
+                          "--multi-view takes TOKENS:PROBABILITY pairs")
+    assert_one_line_error(run_kvshot("diagnose", "x=y", "--kv-budgets", "64"),
+                          "--kv-budgets: tokens 64 leave less than two blocks of 32")
