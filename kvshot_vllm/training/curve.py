@@ -52,7 +52,12 @@ def budget_before(init: Path) -> dict[str, int]:
     init = Path(init)
     if (init / MANIFEST).is_file():
         return shipped_budget(init)
-    run_dir, step = checkpoint_origin(init)
+    return total_budget(*checkpoint_origin(init))
+
+
+def total_budget(run_dir: Path, step: int) -> dict[str, int]:
+    """Sequences, tokens and loss tokens of a run's checkpoint of `step`, its warm start's
+    included (what a manifest's budget total and run.json's init_budget hold)."""
     tokens = run_tokens(run_dir, step)
     return {key: int(tokens[key]) for key in ("sequences", "tokens", "loss_tokens")}
 

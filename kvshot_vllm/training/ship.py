@@ -65,13 +65,12 @@ def provenance(run_dir: Path) -> dict:
 def _total_budget(run_dir: Path, steps: int) -> dict[str, int] | None:
     """Sequences, tokens and loss tokens the checkpoint was trained on, those of its warm
     start included; None when the warm start's are unknown."""
-    from kvshot_vllm.training.curve import run_tokens
+    from kvshot_vllm.training.curve import total_budget
 
     try:
-        tokens = run_tokens(run_dir, steps)
+        return total_budget(run_dir, steps)
     except KVShotError:
         return None
-    return {key: int(tokens[key]) for key in ("sequences", "tokens", "loss_tokens")}
 
 
 def ship_drafter(run_dir: Path, name: str, out: Path) -> Path:
