@@ -18,11 +18,14 @@ each engine step is timed whole; timers wrapped around the worker's methods spli
 Figures are means over the timed steps after a warm-up request, in ms per engine step and per
 output token. Drafting cost does not depend on the weights, so the plugin's drafters are
 untrained unless a serving config names a trained one; tokens per step (the acceptance) does,
-and is reported beside. On a GPU, run with eager mode (the default here) so that forwards are
-not hidden in CUDA graph replays; the timers synchronize there.
+and is reported beside. The engine runs eager by default, so that on a GPU forwards are not
+hidden in CUDA graph replays (the timers synchronize there); `--modes eager compiled` runs each
+configuration both ways and adds a table of the ratios (compiled: vLLM's torch.compile path,
+about a minute of compilation per engine start on 2 cores).
 
     python bench/step_profile.py [--configs none ngram eagle3 kv hybrid block] [--k 3]
-        [--levels 1 16] [--max-tokens 64] [--out bench/results/step_profile]
+        [--levels 1 16] [--max-tokens 64] [--modes eager [compiled]]
+        [--out bench/results/step_profile]
 """
 
 from __future__ import annotations
@@ -180,6 +183,26 @@ def plot(runs: dict[str, dict[int, dict]], levels: list[int], out: Path) -> None
     fig.savefig(out.with_suffix(".png"), dpi=120)
 
 
+def mode_ratios(runs: dict[str, dict[int, dict]], names: list[str], levels: list[int]
+                ) -> list[str]:
+    """Per configuration and concurrency: ms per token eager and compiled, compiled's speedup
+    over eager, and each mode's speedup over no speculation in the same mode."""
+    lines = ["", "Eager against compiled (ms per output token; speedup = ratio of ms per token):",
+             "", "| config | c | eager | compiled | compiled vs eager | vs none, eager | "
+             "vs none, compiled |", "|---|---|---|---|---|---|---|"]
+    for name in names:
+        for level in levels:
+            eager, compiled = (runs[f"{name} {m}"][level]["ms_per_token"]
+                               for m in ("eager", "compiled"))
+            base = {m: runs.get(f"none {m}", {}).get(level, {}).get("ms_per_token")
+                    for m in ("eager", "compiled")}
+            vs_none = [f"{base[m] / t:.2f}x" if base[m] else "-"
+                       for m, t in (("eager", eager), ("compiled", compiled))]
+            lines.append(f"| {name} | {level} | {eager:.2f} | {compiled:.2f} | "
+                         f"{eager / compiled:.2f}x | {' | '.join(vs_none)} |")
+    return lines
+
+
 def main() -> None:
     from kvshot_vllm.data import PrepareArgs, SourceStats, first_turn_prompts, packaged_sharegpt
     from kvshot_vllm.engine import configure_vllm_env, default_dtype
@@ -196,6 +219,8 @@ def main() -> None:
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--requests", type=int, default=16, help="held-out prompts per level")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--modes", nargs="+", choices=["eager", "compiled"], default=["eager"],
+                    help="vLLM's eager and/or compiled path")
     ap.add_argument("--out", default="bench/results/step_profile")
     a = ap.parse_args()
 
@@ -219,20 +244,24 @@ def main() -> None:
     configs = load_configs(a.configs, configs_dir, a.k, models=untrained)
     runs: dict[str, dict[int, dict]] = {}
     for name, cfg in configs.items():
-        runs[name] = {}
-        for level in a.levels:
-            # a fresh process per engine: vLLM's CPU kernel registration fails in a process
-            # that has already run an ngram engine
-            with multiprocessing.get_context("spawn").Pool(1) as pool:
-                runs[name][level] = pool.apply(profile, (target, data_dir, cfg.speculative,
-                                                         {"held-out": prompts}, level,
-                                                         a.max_tokens))["held-out"]
-            print(name, level, f"{runs[name][level]['ms_per_token']:.2f} ms/token", flush=True)
+        for mode in a.modes:
+            run = name if len(a.modes) == 1 else f"{name} {mode}"
+            runs[run] = {}
+            for level in a.levels:
+                # a fresh process per engine: vLLM's CPU kernel registration fails in a process
+                # that has already run an ngram engine
+                with multiprocessing.get_context("spawn").Pool(1) as pool:
+                    runs[run][level] = pool.apply(
+                        profile, (target, data_dir, cfg.speculative, {"held-out": prompts},
+                                  level, a.max_tokens), {"enforce_eager": mode == "eager"}
+                    )["held-out"]
+                print(run, level, f"{runs[run][level]['ms_per_token']:.2f} ms/token", flush=True)
 
     command = " ".join(["python", *sys.argv])
-    lines = [f"Step-cost profile on {target.name} ({default_dtype()}, engine defaults of "
-             f"`engine_kwargs`), k = {a.k}, {len(prompts)} held-out prompts per level, "
-             f"{a.max_tokens} greedy tokens each. Untrained: {', '.join(untrained) or 'none'}.",
+    lines = [f"Step-cost profile on {target.name} ({default_dtype()}, {' and '.join(a.modes)}, "
+             f"other settings of `engine_kwargs`), k = {a.k}, {len(prompts)} held-out prompts "
+             f"per level, {a.max_tokens} greedy tokens each. Untrained: "
+             f"{', '.join(untrained) or 'none'}.",
              f"Regenerate: `{command}`", "",
              "Mean ms per engine step by stage (tokens/step: output tokens per engine step):", "",
              "| config | c | tokens/step | MAT | ms/step | ms/token | "
@@ -245,6 +274,8 @@ def main() -> None:
                          f"{'-' if mat is None else f'{mat:.2f}'} | {r['ms_per_step']:.1f} | "
                          f"{r['ms_per_token']:.2f} | " + " | ".join(
                              f"{r['stage_ms_per_step'][s]:.2f}" for s in STAGES) + " |")
+    if len(a.modes) == 2:
+        lines += mode_ratios(runs, list(configs), a.levels)
     lines += ["", f"Plot: `{Path(a.out).with_suffix('.png').name}` (ms per output token by stage)."]
     out = Path(a.out)
     write_results(out, {"command": command, "k": a.k, "levels": a.levels, "untrained": untrained,

@@ -10,11 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from kvshot_vllm.engine import configure_vllm_env
+from kvshot_vllm.engine import EAGER_ENV, configure_vllm_env
 from kvshot_vllm.paths import resolve_data_dir
 from kvshot_vllm.target import prepare_target
 
 KVSHOT = [sys.executable, "-m", "kvshot_vllm.cli"]
+
+# Engines start eager here unless a test asks for vLLM's compiled path (enforce_eager=False):
+# compiling costs about a minute per engine start on 2 cores (tests/test_plugin.py
+# test_lossless_compiled serves the compiled path).
+os.environ.setdefault(EAGER_ENV, "1")
 
 
 @pytest.fixture(scope="session")
