@@ -7,12 +7,15 @@ timing decode steps: each prompt is prefilled first and then served from the pre
 configurations: no speculation, stock EAGLE-3 with the shipped hidden-only drafter (its own
 draft cache covers the whole prefix), and the KV-only and hybrid drafters reading the target's
 cache in place, each with the full view and with a `--budget`-token view. Drafting time
-does not depend on the weights, so the plugin's drafters are untrained (acceptance comes with
-trained ones: tokens per step is reported beside). Also per configuration: the bytes of
+does not depend on the weights, so the plugin's drafters are untrained; `--trained NAME=DIR`
+adds a trained KV-reuse drafter as it is (NAME) and with the `--budget`-token view (NAME@B),
+for the acceptance side (item 4): tokens per step and acceptance length per bucket, served.
+`--configs` keeps only the named configurations. Also per configuration: the bytes of
 draft-side cache each request holds for its prefix, and the target K/V a draft step reads.
 
     python bench/long_context.py [--buckets 1024 2048 4096 7168] [--requests 2] [--budget 256]
-        [--levels 1] [--max-tokens 32] [--out bench/results/long_context]
+        [--levels 1] [--max-tokens 32] [--trained NAME=DIR ...] [--configs NAME ...]
+        [--out bench/results/long_context]
 """
 
 from __future__ import annotations
@@ -37,6 +40,21 @@ def plugin_drafters(target: Path, root: Path, budget: int) -> dict[str, Path]:
         out[f"{paradigm}@{budget}"] = init_checkpoint(
             target, root / f"{paradigm}-{budget}", paradigm=paradigm,
             kv_budget={"tokens": budget, "block_size": BLOCK_SIZE})
+    return out
+
+
+def with_budget(ckpt: Path, out: Path, budget: int) -> Path:
+    """A copy of a trained drafter whose config reads the target's KV through a `budget`-token
+    streaming view (weights as they are; no manifest, as the config is not the shipped one)."""
+    import json
+    import shutil
+
+    out.mkdir(parents=True, exist_ok=True)
+    for file in ckpt.glob("*.safetensors"):
+        shutil.copyfile(file, out / file.name)
+    config = json.loads((ckpt / "config.json").read_text())
+    config["kvshot"]["kv_budget"] = {"tokens": budget, "block_size": BLOCK_SIZE}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
 
 
@@ -70,8 +88,12 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--levels", type=int, nargs="+", default=[1])
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--trained", nargs="+", default=[], metavar="NAME=DIR",
+                    help="trained KV-reuse drafters to add, full view and budgeted")
+    ap.add_argument("--configs", nargs="+", help="run only these configurations")
     ap.add_argument("--out", default="bench/results/long_context")
     a = ap.parse_args()
+    trained = dict(t.split("=", 1) for t in a.trained)
 
     data_dir = resolve_data_dir()
     configure_vllm_env(data_dir)
@@ -84,9 +106,18 @@ def main() -> None:
                for b in a.buckets}
     lengths = {b: sum(map(len, p)) / len(p) for b, p in buckets.items()}
     shipped = Path(__file__).parents[1] / "drafters/smollm2-135m-instruct/hidden"
+    root = data_dir / "bench-drafters" / "long"
     drafters: dict[str, Path | None] = {"none": None, "eagle3": shipped,
-                                        **plugin_drafters(target, data_dir / "bench-drafters" /
-                                                          "long", a.budget)}
+                                        **plugin_drafters(target, root, a.budget)}
+    for name, ckpt in trained.items():
+        drafters[name] = Path(ckpt)
+        drafters[f"{name}@{a.budget}"] = with_budget(Path(ckpt), root / f"{name}-{a.budget}",
+                                                     a.budget)
+    if a.configs:
+        unknown = set(a.configs) - set(drafters)
+        if unknown:
+            ap.error(f"unknown configurations {sorted(unknown)}; choose from {list(drafters)}")
+        drafters = {n: c for n, c in drafters.items() if n in a.configs}
     max_len = max(a.buckets) + a.max_tokens + 2 * a.k + 64
     runs: dict[str, dict[int, dict]] = {}
     for name, ckpt in drafters.items():
@@ -104,26 +135,33 @@ def main() -> None:
                                 for b, r in runs[name][level].items()}, flush=True)
 
     dtype_bytes = 2 if dtype == "bfloat16" else 4
+    untrained = [n for n in drafters if n not in ("none", "eagle3")
+                 and n.split("@")[0] not in trained]
+    some_run = next(iter(next(iter(runs.values()))[a.levels[0]].values()))
+    mode = "eager" if some_run["engine"]["enforce_eager"] else "compiled"
     command = " ".join(["python", *sys.argv])
     lines = [f"Draft-step cost against prefix length on {target.name} ({dtype}), k = {a.k}, "
              f"block size {BLOCK_SIZE}, {a.requests} prompts per bucket (starts of standard-"
              f"library modules), {a.max_tokens} greedy tokens each, prefixes prefilled before "
-             f"they are timed (decode steps). Plugin drafters untrained.",
+             f"they are timed (decode steps), {mode}. Untrained: {', '.join(untrained) or 'none'}"
+             f"; trained: eagle3 (the shipped hidden-only drafter)"
+             + "".join(f", {n} ({c})" for n, c in trained.items()) + ".",
              f"Regenerate: `{command}`", "",
              "drafter layers: ms per engine step in the drafter's forward passes (all k); "
              "draft cache: the drafter's own cache for the prefix, per request; KV read: target "
              "K/V one draft step reads.", ""]
     for level in a.levels:
         lines += [f"Concurrency {level}:", "",
-                  "| config | prefix | tokens/step | ms/token | target forward ms/step | "
+                  "| config | prefix | tokens/step | MAT | ms/token | target forward ms/step | "
                   "drafter layers ms/step | draft cache | KV read per draft step |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|"]
         for name, by_level in runs.items():
             for b, r in by_level[level].items():
                 own, read = kv_bytes(drafters[name], int(lengths[b]), dtype_bytes)
                 stage = r["stage_ms_per_step"]
+                mat = r.get("acceptance_length")
                 lines.append(f"| {name} | {lengths[b]:.0f} | {r['tokens_per_step']:.2f} | "
-                             f"{r['ms_per_token']:.2f} | {stage['target forward']:.2f} | "
+                             f"{'-' if mat is None else f'{mat:.2f}'} | {r['ms_per_token']:.2f} | {stage['target forward']:.2f} | "
                              f"{stage['drafter layers']:.2f} | {own / 2**10:.0f} KiB | "
                              f"{read / 2**10:.0f} KiB |")
         growth = {name: by_level[level][str(a.buckets[-1])]["stage_ms_per_step"]["drafter layers"]
