@@ -161,7 +161,8 @@ def main() -> None:
                 stage = r["stage_ms_per_step"]
                 mat = r.get("acceptance_length")
                 lines.append(f"| {name} | {lengths[b]:.0f} | {r['tokens_per_step']:.2f} | "
-                             f"{'-' if mat is None else f'{mat:.2f}'} | {r['ms_per_token']:.2f} | {stage['target forward']:.2f} | "
+                             f"{'-' if mat is None else f'{mat:.2f}'} | "
+                             f"{r['ms_per_token']:.2f} | {stage['target forward']:.2f} | "
                              f"{stage['drafter layers']:.2f} | {own / 2**10:.0f} KiB | "
                              f"{read / 2**10:.0f} KiB |")
         growth = {name: by_level[level][str(a.buckets[-1])]["stage_ms_per_step"]["drafter layers"]
