@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvshot_vllm.errors import KVShotError
+from kvshot_vllm.errors import KVShotError, first_validation_error
 
 DATA_DIR_HELP = "where kvshot keeps what it builds (default: $KVSHOT_DATA_DIR, else ./data in the checkout)"
 
@@ -209,15 +209,16 @@ def _named_checkpoints(specs: list[str]) -> dict[str, Path]:
 
 
 def cmd_diagnose(a: argparse.Namespace) -> None:
+    from pydantic import ValidationError
+
     from kvshot_vllm.models.budget import KVBudget
     from kvshot_vllm.training.diagnostics import diagnose, write_report
     from kvshot_vllm.training.pipeline import feature_spec, features_for
 
     try:
         views = [KVBudget(tokens=t, block_size=a.view_block_size) for t in a.kv_budgets or []]
-    except ValueError as exc:  # pydantic's ValidationError: its first message, one line
-        raise KVShotError("--kv-budgets: " + exc.errors()[0]["msg"].removeprefix(
-            "Value error, ")) from None
+    except ValidationError as exc:
+        raise KVShotError("--kv-budgets: " + first_validation_error(exc)[1]) from None
     data_dir, target, dataset = _training_inputs(a)
     ckpts = _named_checkpoints(a.checkpoints)
     features = features_for(data_dir, target, dataset, "heldout",

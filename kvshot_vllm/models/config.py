@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
                       model_validator)
 
-from kvshot_vllm.errors import KVShotError
+from kvshot_vllm.errors import KVShotError, first_validation_error
 from kvshot_vllm.models.budget import KVBudget
 
 if TYPE_CHECKING:
@@ -238,7 +238,5 @@ def validated(fields: dict, where: str = "drafter config") -> DrafterConfig:
     try:
         return DrafterConfig.model_validate(fields)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        loc = ".".join(str(p) for p in first["loc"]) or "config"
-        msg = first["msg"].removeprefix("Value error, ")
-        raise KVShotError(f"invalid {where}: {loc}: {msg}") from None
+        loc, msg = first_validation_error(exc)
+        raise KVShotError(f"invalid {where}: {loc or 'config'}: {msg}") from None

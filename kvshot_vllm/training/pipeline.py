@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from kvshot_vllm.errors import KVShotError
+from kvshot_vllm.errors import KVShotError, first_validation_error
 from kvshot_vllm.models.config import DrafterConfig, default_layers, validated
 from kvshot_vllm.models.weights import target_spec
 from kvshot_vllm.training.features import (FeatureSet, FeatureSpec, LiveFeatures,
@@ -52,10 +52,8 @@ def train_config(preset: str, **overrides) -> TrainConfig:
     try:
         return TrainConfig.model_validate(fields)
     except ValidationError as exc:  # pydantic's first message, on one line
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "settings"
-        raise KVShotError(f"invalid training settings: {where}: "
-                          f"{first['msg'].removeprefix('Value error, ')}") from None
+        loc, msg = first_validation_error(exc)
+        raise KVShotError(f"invalid training settings: {loc or 'settings'}: {msg}") from None
 
 
 def drafter_config(target_dir: Path, cfg: TrainConfig, init: Path | None = None,
