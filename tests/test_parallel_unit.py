@@ -59,7 +59,7 @@ def drafter_of(paradigm: str, options: dict, hf: LlamaConfig,
                      **options})
     embed = torch.randn(hf.vocab_size, hf.hidden_size, generator=torch.Generator().manual_seed(0))
     with tensor_parallel(tp):
-        drafter = cfg.spec.drafter(cfg, hf, embed)
+        drafter = Drafter(cfg, hf, embed)
     drafter.load_checkpoint_weights(init_weights(cfg, seed=1, std=0.3))  # full tensors
     return drafter.eval()
 

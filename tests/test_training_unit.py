@@ -10,7 +10,7 @@ import torch
 from transformers import LlamaConfig
 
 from kvshot_vllm.models.config import TargetSpec, validated
-from kvshot_vllm.models.drafter import TargetFeatures
+from kvshot_vllm.models.drafter import Drafter, TargetFeatures
 from kvshot_vllm.models.layers import draft_attention
 from kvshot_vllm.models.weights import init_weights
 from kvshot_vllm.training.ttt import TrainConfig, batch_order, lr_at, shifted
@@ -24,7 +24,7 @@ def tiny_drafter(paradigm: str, **options):
     spec = TargetSpec.from_hf_config(TINY, "tiny")
     cfg = validated({"paradigm": paradigm, "target": spec, **options})
     torch.manual_seed(0)
-    drafter = cfg.spec.drafter(cfg, TINY, torch.randn(TINY.vocab_size, TINY.hidden_size))
+    drafter = Drafter(cfg, TINY, torch.randn(TINY.vocab_size, TINY.hidden_size))
     drafter.load_checkpoint_weights(init_weights(cfg, std=0.3))
     return drafter.eval()
 

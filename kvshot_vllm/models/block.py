@@ -20,30 +20,23 @@ import torch
 import torch.nn as nn
 
 from kvshot_vllm.models.config import DrafterConfig
-from kvshot_vllm.models.drafter import TargetFeatures
-from kvshot_vllm.models.kv_only import KVOnlyDrafter
+from kvshot_vllm.models.drafter import AttentionFactory
+from kvshot_vllm.models.kv_only import KVOnly
 from kvshot_vllm.models.registry import register_paradigm
 
 
 @register_paradigm("block", reads_target_kv=True, uses_aux_hidden=True, self_attention=False,
                    one_block=True)
-class BlockDrafter(KVOnlyDrafter):
+class Block(KVOnly):
     """Block-parallel (H-Spec): a whole proposal in one pass over target KV."""
 
-    def __init__(self, cfg: DrafterConfig, target_hf_config, embed: torch.Tensor) -> None:
-        super().__init__(cfg, target_hf_config, embed)
-        h = cfg.target.hidden_size
-        self.fc = nn.Linear(len(cfg.aux_layers) * h, h, bias=False)
-        self.mask_embed = nn.Parameter(torch.zeros(h))
+    def build(self, model, cfg: DrafterConfig, attention: AttentionFactory) -> None:
+        super().build(model, cfg, attention)
+        model.mask_embed = nn.Parameter(torch.zeros(cfg.target.hidden_size))
 
-    def first_hidden(self, feats: TargetFeatures) -> torch.Tensor:
-        return self.fc(feats.aux_hidden)
+    def row_embeds(self, model, j, embeds):
+        return embeds if j == 0 else model.mask_embed.expand_as(embeds)
 
-    def step_embeds(self, j: int, tokens: torch.Tensor) -> torch.Tensor:
-        if j == 0:
-            return super().step_embeds(j, tokens)
-        return self.mask_embed.expand(*tokens.shape, -1)
-
-    def step(self, embeds, hidden, positions, feats, chains):
-        normed, _ = super().step(embeds + hidden, hidden, positions, feats, chains)
-        return normed, hidden  # every row of the block sees the same conditioning
+    def forward(self, model, embeds, hidden, ctx):
+        out, _ = super().forward(model, embeds + hidden, hidden, ctx)
+        return out, hidden  # every row of the block sees the same conditioning

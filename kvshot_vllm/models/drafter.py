@@ -1,15 +1,19 @@
-"""Training-side drafters: the PyTorch twin of the vLLM drafters in `kvshot_vllm.serving`.
+"""One drafter model for every paradigm, and the interface its math is written against.
 
-Same config, same weight names (`weights.py`), same math, written for a whole draft chain over
-every position of a sequence at once (test-time training, TTT): at draft step j, row p carries
-token p + 1 + j at vLLM position p + j and predicts token p + 2 + j. What a row may attend is
-what the vLLM drafter of that row would see (`layers.draft_attention`): the verified prefix
-(target K/V of positions <= p, or the drafter's own step-0 keys of rows <= p) plus the keys this
-row produced earlier in its own chain.
+A paradigm (`hidden.py`, `kv_only.py`, `hybrid.py`, `block.py`) is a `DraftLayers`: the layers
+it adds to a drafter model and their math for one draft step, defined once. Two models run that
+definition, each with its own attention back-end:
 
-One module per paradigm (`hidden.py`, `kv_only.py`, `hybrid.py`, `block.py`) subclasses
-`Drafter`, implements `step` and registers itself (`registry.py`); `build_drafter` builds the
-config's.
+- training and diagnostics: `Drafter` here, offline attention over cached K/V tensors
+  (`OfflineAttention` builds the modules, `OfflineContext` calls them);
+- serving: vLLM's drafter (`serving/drafter.py`), the same modules with vLLM's paged attention
+  op reading the target's cache in place.
+
+`Drafter` runs a whole draft chain over every position of a sequence at once (test-time
+training, TTT): at draft step j, row p carries token p + 1 + j at vLLM position p + j and
+predicts token p + 2 + j. What a row may attend is what the vLLM drafter of that row would see
+(`layers.draft_attention`): the verified prefix (target K/V of positions <= p, or the drafter's
+own step-0 keys of rows <= p) plus the keys this row produced earlier in its own chain.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.nn as nn
@@ -87,15 +93,18 @@ class Rope(nn.Module):
 class DraftAttention(nn.Module):
     """q/k/v/o projections over `groups` side-by-side attentions (checkpoint names q_proj, ...).
 
-    groups = 1: an EAGLE-3 self-attention, whose step-0 keys are the context of later steps.
-    groups = S: KVShot's head_concat cross-attention, group s attending the cached K/V of the
-    s-th sampled target layer; the drafter's own keys of every step join as the chain's tail.
+    groups = 1, no `target_layers`: an EAGLE-3 self-attention, whose step-0 keys are the context
+    of later steps. groups = S: KVShot's head_concat cross-attention, group s attending the
+    cached K/V of target layer `target_layers[s]`; the drafter's own keys of every step join as
+    the chain's tail.
     """
 
-    def __init__(self, in_size: int, target: TargetSpec, groups: int = 1) -> None:
+    def __init__(self, in_size: int, target: TargetSpec, groups: int = 1,
+                 target_layers: list[int] | None = None) -> None:
         super().__init__()
         # heads and KV heads of this tensor-parallel rank (all of them on one rank)
         self.groups, self.head_dim = groups, target.head_dim
+        self.target_layers = target_layers  # None: a self-attention
         self.heads = local_heads(target.num_attention_heads, "attention heads")
         self.kv_heads = local_heads(target.num_kv_heads, "KV heads")
         q_size = groups * target.num_attention_heads * self.head_dim
@@ -139,12 +148,12 @@ class LinearKVAttention(DraftAttention):
     projection cannot mix rotation phases. Training only: no paged-attention kernel computes it
     in place."""
 
-    def __init__(self, in_size: int, target: TargetSpec, num_layers: int,
+    def __init__(self, in_size: int, target: TargetSpec, target_layers: list[int],
                  reapply_rope: bool) -> None:
-        super().__init__(in_size, target, groups=1)
+        super().__init__(in_size, target, groups=1, target_layers=target_layers)
         kv = target.num_kv_heads * target.head_dim
-        self.k_merge = nn.Linear(num_layers * kv, kv, bias=False)
-        self.v_merge = nn.Linear(num_layers * kv, kv, bias=False)
+        self.k_merge = nn.Linear(len(target_layers) * kv, kv, bias=False)
+        self.v_merge = nn.Linear(len(target_layers) * kv, kv, bias=False)
         self.reapply_rope = reapply_rope
 
     def target_context(self, target_kv, rope):
@@ -161,29 +170,121 @@ class LinearKVAttention(DraftAttention):
         return [(k.transpose(1, 2), v.transpose(1, 2))]
 
 
-def cross_attention(in_size: int, cfg: DrafterConfig, num_layers: int) -> DraftAttention:
-    """The attention over target K/V that `cfg.kv_projection` asks for."""
-    if cfg.kv_projection == "linear":
-        return LinearKVAttention(in_size, cfg.target, num_layers, cfg.reapply_rope)
-    return DraftAttention(in_size, cfg.target, groups=num_layers)
+# ---------------------------------------------------------------------- the attention back-end
+
+
+class AttentionFactory(Protocol):
+    """Builds a paradigm's attention modules for one back-end (`DraftLayers.build`)."""
+
+    def self_attention(self, in_size: int, layer: int) -> DraftAttention:
+        """EAGLE-3 layer `layer`'s self-attention over the drafter's own K/V."""
+
+    def cross_attention(self, in_size: int, target_layers: list[int]) -> DraftAttention:
+        """An attention over the cached K/V of `target_layers`, read as they are cached."""
+
+
+class DraftContext(Protocol):
+    """How a paradigm's math calls its attention and recurrent modules in one draft step
+    (`DraftLayers.forward`): the part of the math that each back-end does its own way."""
+
+    def attend(self, attn: DraftAttention, x: torch.Tensor) -> torch.Tensor:
+        """attn's output [..., hidden] for its input rows x [..., in]."""
+
+    def mix(self, scan: SelectiveScan, x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        """The recurrent mixer's residual update for rows x, conditioned on cond [..., hidden]."""
+
+
+class OfflineAttention:
+    """`AttentionFactory` of training: plain torch attention over cached K/V tensors."""
+
+    def __init__(self, cfg: DrafterConfig) -> None:
+        self.cfg = cfg
+
+    def self_attention(self, in_size: int, layer: int) -> DraftAttention:
+        return DraftAttention(in_size, self.cfg.target)
+
+    def cross_attention(self, in_size: int, target_layers: list[int]) -> DraftAttention:
+        if self.cfg.kv_projection == "linear":
+            return LinearKVAttention(in_size, self.cfg.target, target_layers,
+                                     self.cfg.reapply_rope)
+        return DraftAttention(in_size, self.cfg.target, len(target_layers), target_layers)
+
+
+class OfflineContext:
+    """`DraftContext` of one training-side draft step: each module attends with the K/V its
+    chain has produced so far (`chains`), a cross-attention also over the target's cached K/V
+    (`feats`), in the drafter's view of it."""
+
+    def __init__(self, drafter: "Drafter", positions: torch.Tensor, feats: TargetFeatures,
+                 chains: dict[nn.Module, ChainKV | ScanState]) -> None:
+        self.drafter, self.positions, self.feats, self.chains = drafter, positions, feats, chains
+
+    @cached_property
+    def self_rope(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.drafter.rope(self.positions)
+
+    @cached_property
+    def cross_rope(self) -> tuple[torch.Tensor, torch.Tensor]:
+        # A row at vLLM position p carries the token at p + 1: its query and own key sit there.
+        return self.drafter.rope(self.positions + 1)
+
+    def attend(self, attn: DraftAttention, x: torch.Tensor) -> torch.Tensor:
+        chain = self.chains[attn]
+        if attn.target_layers is None:
+            return attn(x, self.self_rope, chain)
+        ctx = attn.target_context([self.feats.target_kv[i] for i in attn.target_layers],
+                                  self.drafter.rope)
+        return attn(x, self.cross_rope, chain, ctx=ctx, view=self.drafter.view)
+
+    def mix(self, scan: SelectiveScan, x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        return self.chains[scan].advance(scan, x, cond)
+
+
+# ---------------------------------------------------------------------- paradigms and the model
+
+
+class DraftLayers:
+    """A paradigm's definition: the layers it adds to a drafter model and their math for one
+    draft step. Stateless; the layers live on the model (`Drafter`, or vLLM's drafter), under
+    their checkpoint names. Subclasses register with `registry.register_paradigm`.
+
+    A drafter model brings the rest: the embedding, `fc` over the target's aux hidden states
+    (paradigms that use them), the final norm and lm_head.
+    """
+
+    def build(self, model: nn.Module, cfg: DrafterConfig, attention: AttentionFactory) -> None:
+        """Add this paradigm's layers to `model`, their attention modules from `attention`."""
+        raise NotImplementedError
+
+    def row_embeds(self, model: nn.Module, j: int, embeds: torch.Tensor) -> torch.Tensor:
+        """What the rows of draft step j (block row j) carry, given their tokens' embeddings."""
+        return embeds
+
+    def forward(self, model: nn.Module, embeds: torch.Tensor, hidden: torch.Tensor | None,
+                ctx: DraftContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft step for rows [..., hidden]: embeds, the hidden input (step 0: fc of the
+        aux hidden states; later: what the previous step returned) -> (the output before the
+        final norm, the hidden input of the next step)."""
+        raise NotImplementedError
 
 
 class Drafter(nn.Module):
-    """Shared parts: the target's (frozen) embedding and RoPE, final norm, lm_head over the draft
-    vocabulary, d2t. Subclasses define `step`."""
-
-    # Whether draft step 0 needs every row, whatever the loss: a self-attention drafter's later
-    # steps attend the step-0 keys of the whole prefix.
-    first_step_needs_all_rows = False
+    """The training-side drafter of any paradigm: the target's (frozen) embedding and RoPE, fc
+    over the aux hidden states (paradigms that use them), final norm, lm_head over the draft
+    vocabulary and d2t, plus the paradigm's layers (`DraftLayers`) with offline attention."""
 
     def __init__(self, cfg: DrafterConfig, target_hf_config, embed: torch.Tensor) -> None:
         super().__init__()
         t = cfg.target
         self.cfg = cfg
+        self.paradigm = cfg.spec.definition
         self.register_buffer("embed", embed.detach().float(), persistent=False)
         self.rope = Rope(target_hf_config)
         self.norm = RMSNorm(t.hidden_size, t.rms_norm_eps)
         self.lm_head = nn.Linear(t.hidden_size, cfg.draft_vocab_size, bias=False)
+        if cfg.spec.uses_aux_hidden:
+            self.fc = nn.Linear(len(cfg.aux_layers) * t.hidden_size, t.hidden_size, bias=False)
+        self.paradigm.build(self, cfg, OfflineAttention(cfg))
         # draft id i -> target id i + d2t[i] (EAGLE-3's convention, read by vLLM)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         # the view of the target's K/V that cross-attention reads (`budget.py`); None: all
@@ -198,53 +299,32 @@ class Drafter(nn.Module):
         finally:
             self.view = kept
 
-    # ------------------------------------------------------------------ per paradigm
-
-    def new_chains(self) -> dict[str, ChainKV | ScanState]:
-        chains: dict[str, ChainKV | ScanState] = {}
-        for name, m in self.named_modules():
-            if isinstance(m, DraftAttention):
-                chains[name] = ChainKV()
-            elif isinstance(m, SelectiveScan):
-                chains[name] = ScanState()
-        return chains
-
-    def first_hidden(self, feats: TargetFeatures) -> torch.Tensor | None:
-        """The hidden input of draft step 0 (EAGLE-3: fc of the fused aux hidden states)."""
-        return None
-
-    def step_embeds(self, j: int, tokens: torch.Tensor) -> torch.Tensor:
-        """What the rows of draft step j carry: the embedding of their token."""
-        return self.embed[tokens]
-
-    def step(self, embeds: torch.Tensor, hidden: torch.Tensor | None, positions: torch.Tensor,
-             feats: TargetFeatures, chains: dict[str, ChainKV | ScanState]
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One draft step for all rows: (normed output for lm_head, hidden for the next step)."""
-        raise NotImplementedError
-
-    # ------------------------------------------------------------------ shared
+    def new_chains(self) -> dict[nn.Module, ChainKV | ScanState]:
+        return {m: ChainKV() if isinstance(m, DraftAttention) else ScanState()
+                for m in self.modules() if isinstance(m, (DraftAttention, SelectiveScan))}
 
     def chain(self, feats: TargetFeatures, steps: int, first_row: int = 0) -> list[torch.Tensor]:
         """Normed outputs [B, R, hidden] of `steps` draft steps, for the last R rows; at step j
         row p drafts token p + 2 + j, given tokens up to p + 1 + j (rows past the end carry
-        padding). Rows before `first_row` are not computed (R = T - first_row), but for the
-        steps that need them (`first_step_needs_all_rows`): training skips rows without loss."""
+        padding). Rows before `first_row` are not computed (R = T - first_row), but in step 0 of
+        a drafter with self-attention, whose later steps attend the step-0 keys of the whole
+        prefix: training skips rows without loss."""
         ids = feats.input_ids
         b, t = ids.shape
-        hidden = self.first_hidden(feats)
+        hidden = self.fc(feats.aux_hidden) if self.cfg.spec.uses_aux_hidden else None
         chains = self.new_chains()
         outs = []
         for j in range(steps):
-            start = 0 if j == 0 and self.first_step_needs_all_rows else first_row
+            start = 0 if j == 0 and self.cfg.spec.self_attention else first_row
             tokens = torch.zeros_like(ids)
             tokens[:, : max(t - 1 - j, 0)] = ids[:, 1 + j:]
-            positions = torch.arange(j, t + j, device=ids.device).expand(b, t)
+            positions = torch.arange(j, t + j, device=ids.device).expand(b, t)[:, start:]
             if hidden is not None:
                 hidden = hidden[:, start - t:]
-            normed, hidden = self.step(self.step_embeds(j, tokens[:, start:]), hidden,
-                                       positions[:, start:], feats, chains)
-            outs.append(normed)
+            embeds = self.paradigm.row_embeds(self, j, self.embed[tokens[:, start:]])
+            out, hidden = self.paradigm.forward(
+                self, embeds, hidden, OfflineContext(self, positions, feats, chains))
+            outs.append(self.norm(out))
         return outs
 
     def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
@@ -273,9 +353,7 @@ def build_drafter(cfg: DrafterConfig, target_dir: Path) -> Drafter:
     from kvshot_vllm.models.weights import target_embedding
 
     check_fits_target(cfg, target_spec(target_dir))
-    return cfg.spec.drafter(cfg, AutoConfig.from_pretrained(target_dir),
-                            target_embedding(target_dir))
-
+    return Drafter(cfg, AutoConfig.from_pretrained(target_dir), target_embedding(target_dir))
 
 
 def load_drafter(checkpoint: Path, target_dir: Path) -> Drafter:

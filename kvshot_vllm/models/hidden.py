@@ -1,13 +1,11 @@
-"""Hidden-only drafter: EAGLE-3 as vLLM serves it (`llama_eagle3.py`), for training.
+"""Hidden-only drafter: EAGLE-3 as vLLM serves it (`llama_eagle3.py`).
 
 Step 0 fuses the aux hidden states of three target layers with `fc`; later steps feed back the
 drafter's own pre-norm output. Layer 0 attends over [norm(embedding), norm(hidden)] (2 x
 hidden wide); further layers are plain Llama blocks on the residual stream.
 
-`EagleLayer` and `eagle_forward` serve training and the plugin's vLLM drafters alike (the hybrid
-there, `serving.drafter`); they differ only in the self-attention module and how it is called
-(`Attend`). Hidden-only checkpoints themselves are served by vLLM's stock EAGLE-3 model, which
-this math equals (tests/test_plugin.py, the parity test).
+Hidden-only checkpoints are served by vLLM's stock EAGLE-3 model, which this math equals
+(tests/test_plugin.py, the parity test); the hybrid (`hybrid.py`) builds on this definition.
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from kvshot_vllm.models.config import DrafterConfig, TargetSpec
-from kvshot_vllm.models.drafter import ChainKV, DraftAttention, Drafter, TargetFeatures
+from kvshot_vllm.models.drafter import AttentionFactory, DraftAttention, DraftContext, DraftLayers
 from kvshot_vllm.models.layers import RMSNorm, SwiGLU
 from kvshot_vllm.models.registry import register_paradigm
 
@@ -29,10 +27,9 @@ Attend = Callable[[int, DraftAttention, torch.Tensor], torch.Tensor]
 
 class EagleLayer(nn.Module):
     """vLLM's EAGLE-3 decoder layer (`llama_eagle3.LlamaDecoderLayer`), checkpoint names
-    included. `self_attn`: the offline attention by default, vLLM's paged one when served."""
+    included, its self-attention from the model's back-end."""
 
-    def __init__(self, target: TargetSpec, index: int,
-                 self_attn: Callable[[int], DraftAttention] | None = None) -> None:
+    def __init__(self, target: TargetSpec, index: int, attention: AttentionFactory) -> None:
         super().__init__()
         h, eps = target.hidden_size, target.rms_norm_eps
         self.first = index == 0
@@ -40,7 +37,7 @@ class EagleLayer(nn.Module):
         if self.first:
             self.hidden_norm = RMSNorm(h, eps)
         in_size = 2 * h if self.first else h
-        self.self_attn = self_attn(in_size) if self_attn else DraftAttention(in_size, target)
+        self.self_attn = attention.self_attention(in_size, index)
         self.post_attention_layernorm = RMSNorm(h, eps)
         self.mlp = SwiGLU(h, target.intermediate_size)
 
@@ -70,27 +67,17 @@ def eagle_forward(layers: nn.ModuleList, embeds: torch.Tensor, hidden: torch.Ten
 
 
 @register_paradigm("hidden", reads_target_kv=False, uses_aux_hidden=True, self_attention=True)
-class HiddenDrafter(Drafter):
+class Hidden(DraftLayers):
     """Hidden-only (EAGLE-3): fused target hidden states, self-attention over its own KV."""
 
-    first_step_needs_all_rows = True
+    def build(self, model, cfg: DrafterConfig, attention: AttentionFactory) -> None:
+        model.layers = nn.ModuleList(EagleLayer(cfg.target, i, attention)
+                                     for i in range(cfg.num_layers))
 
-    def __init__(self, cfg: DrafterConfig, target_hf_config, embed: torch.Tensor) -> None:
-        super().__init__(cfg, target_hf_config, embed)
-        h = cfg.target.hidden_size
-        self.fc = nn.Linear(len(cfg.aux_layers) * h, h, bias=False)
-        self.layers = nn.ModuleList(EagleLayer(cfg.target, i) for i in range(cfg.num_layers))
+    def attend(self, model, ctx: DraftContext) -> Attend:
+        """The layers' attention (the hybrid adds its correction to layer 0's)."""
+        return lambda i, attn, x: ctx.attend(attn, x)
 
-    def first_hidden(self, feats: TargetFeatures) -> torch.Tensor:
-        return self.fc(feats.aux_hidden)
-
-    def attention(self, positions: torch.Tensor, feats: TargetFeatures,
-                  chains: dict[str, ChainKV]) -> Attend:
-        """The offline self-attention of this step's rows (the hybrid adds its correction)."""
-        rope = self.rope(positions)
-        return lambda i, attn, x: attn(x, rope, chains[f"layers.{i}.self_attn"])
-
-    def step(self, embeds, hidden, positions, feats, chains):
-        prenorm = eagle_forward(self.layers, embeds, hidden,
-                                self.attention(positions, feats, chains))
-        return self.norm(prenorm), prenorm
+    def forward(self, model, embeds, hidden, ctx):
+        prenorm = eagle_forward(model.layers, embeds, hidden, self.attend(model, ctx))
+        return prenorm, prenorm

@@ -4,41 +4,29 @@ hidden-only checkpoint: the EAGLE-3 weights are kept, the cross branch and gate 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-import torch
-
 from kvshot_vllm.models.config import DrafterConfig
-from kvshot_vllm.models.drafter import cross_attention
-from kvshot_vllm.models.hidden import Attend, HiddenDrafter
-from kvshot_vllm.models.kv_only import cross_attend
+from kvshot_vllm.models.drafter import AttentionFactory, DraftContext
+from kvshot_vllm.models.hidden import Attend, Hidden
 from kvshot_vllm.models.layers import GatedDelta
 from kvshot_vllm.models.registry import register_paradigm
 
 
 @register_paradigm("hybrid", reads_target_kv=True, uses_aux_hidden=True, self_attention=True)
-class HybridDrafter(HiddenDrafter):
+class Hybrid(Hidden):
     """Hybrid (KVShot): EAGLE-3 plus a gated cross-attention correction over target KV."""
 
-    def __init__(self, cfg: DrafterConfig, target_hf_config, embed: torch.Tensor) -> None:
-        super().__init__(cfg, target_hf_config, embed)
+    def build(self, model, cfg: DrafterConfig, attention: AttentionFactory) -> None:
+        super().build(model, cfg, attention)
         h = cfg.target.hidden_size
-        self.cross = cross_attention(2 * h, cfg, len(cfg.kv_layers))
-        self.merge = GatedDelta(h, cfg.gate_init)
+        model.cross = attention.cross_attention(2 * h, cfg.kv_layers)
+        model.merge = GatedDelta(h, cfg.gate_init)
 
-    def attention(self, positions, feats, chains):
-        return corrected(self.merge, super().attention(positions, feats, chains),
-                         lambda x: cross_attend(self, self.cross, x, positions, feats,
-                                                self.cfg.kv_layers, chains["cross"]))
+    def attend(self, model, ctx: DraftContext) -> Attend:
+        """Layer 0's self-attention output merged with its cross-attention's over target K/V."""
+        attend = super().attend(model, ctx)
 
+        def attend_corrected(i, attn, x):
+            out = attend(i, attn, x)
+            return model.merge(out, ctx.attend(model.cross, x)) if i == 0 else out
 
-def corrected(merge: GatedDelta, attend: Attend,
-              cross: Callable[[torch.Tensor], torch.Tensor]) -> Attend:
-    """The hybrid's attention: layer 0's self-attention output merged with `cross(x)`, its
-    cross-attention over target K/V (training and serving pass their own back-ends)."""
-
-    def attend_corrected(i: int, attn, x: torch.Tensor) -> torch.Tensor:
-        out = attend(i, attn, x)
-        return merge(out, cross(x)) if i == 0 else out
-
-    return attend_corrected
+        return attend_corrected

@@ -1,4 +1,4 @@
-"""The drafter paradigms, each registered by its own module (`@register_paradigm`).
+"""The drafter paradigms, each defined and registered by its own module (`@register_paradigm`).
 
 A paradigm's entry says what it is, so that the config's choices, `build_drafter`, the CLI, the
 serving checks, the bench and the tests' parameter lists all derive from one place: adding a
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Callable
 from kvshot_vllm.errors import KVShotError
 
 if TYPE_CHECKING:
-    from kvshot_vllm.models.drafter import Drafter
+    from kvshot_vllm.models.drafter import DraftLayers
 
 # The modules whose import registers the built-in paradigms, in the order they are listed.
 PARADIGM_MODULES = ("kvshot_vllm.models.hidden", "kvshot_vllm.models.kv_only",
@@ -26,7 +26,7 @@ PARADIGM_MODULES = ("kvshot_vllm.models.hidden", "kvshot_vllm.models.kv_only",
 @dataclass(frozen=True)
 class Paradigm:
     name: str
-    drafter: type["Drafter"]  # the training-side drafter; vLLM serves the same weights
+    definition: "DraftLayers"  # its layers and their math, run in training and in vLLM
     # attends the target's cached K/V of the sampled layers (`kv_layers`), read in place
     reads_target_kv: bool
     # fuses the target's aux hidden states (EAGLE-3's fc)
@@ -51,15 +51,16 @@ _REGISTRY: dict[str, Paradigm] = {}
 
 def register_paradigm(name: str, *, reads_target_kv: bool, uses_aux_hidden: bool,
                       self_attention: bool, one_block: bool = False
-                      ) -> Callable[[type["Drafter"]], type["Drafter"]]:
-    """Class decorator of a `Drafter` subclass; its docstring's first line is the summary."""
+                      ) -> Callable[[type["DraftLayers"]], type["DraftLayers"]]:
+    """Class decorator of a `DraftLayers` subclass; its docstring's first line is the summary."""
 
-    def register(cls: type["Drafter"]) -> type["Drafter"]:
-        if name in _REGISTRY and _REGISTRY[name].drafter is not cls:
+    def register(cls: type["DraftLayers"]) -> type["DraftLayers"]:
+        if name in _REGISTRY and type(_REGISTRY[name].definition) is not cls:
             raise KVShotError(f"paradigm {name!r} is registered twice "
-                              f"({_REGISTRY[name].drafter.__qualname__}, {cls.__qualname__})")
+                              f"({type(_REGISTRY[name].definition).__qualname__}, "
+                              f"{cls.__qualname__})")
         summary = (cls.__doc__ or name).strip().splitlines()[0].rstrip(".")
-        _REGISTRY[name] = Paradigm(name, cls, reads_target_kv, uses_aux_hidden, self_attention,
+        _REGISTRY[name] = Paradigm(name, cls(), reads_target_kv, uses_aux_hidden, self_attention,
                                    one_block, summary)
         return cls
 
@@ -76,7 +77,8 @@ def paradigm_names() -> list[str]:
     in), then others in registration order."""
     _load()
     rank = {module: i for i, module in enumerate(PARADIGM_MODULES)}
-    return sorted(_REGISTRY, key=lambda n: rank.get(_REGISTRY[n].drafter.__module__, len(rank)))
+    return sorted(_REGISTRY, key=lambda n: rank.get(type(_REGISTRY[n].definition).__module__,
+                                                      len(rank)))
 
 
 def paradigm(name: str) -> Paradigm:

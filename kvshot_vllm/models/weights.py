@@ -1,4 +1,4 @@
-"""Weight names and shapes of every drafter paradigm, declared by its training-side module: used
+"""Weight names and shapes of every drafter paradigm, declared by its modules: used
 to initialise, check, save and load checkpoints, by the trainer and by the vLLM drafters alike.
 
 Names follow EAGLE-3 checkpoints (`fc`, `layers.N.self_attn.q_proj`, `norm`, `lm_head`, `d2t`),
@@ -24,6 +24,8 @@ def expected_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
     the modules declare their weights, and a checkpoint holds exactly what they own."""
     from transformers import LlamaConfig
 
+    from kvshot_vllm.models.drafter import Drafter  # which loads checkpoints through this module
+
     t = cfg.target
     shape_only = LlamaConfig(
         hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
@@ -32,7 +34,7 @@ def expected_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
         rms_norm_eps=t.rms_norm_eps,
         rope_parameters={"rope_theta": t.rope_theta, "rope_type": "default"})
     with torch.device("meta"):
-        drafter = cfg.spec.drafter(cfg, shape_only, torch.empty(t.vocab_size, t.hidden_size))
+        drafter = Drafter(cfg, shape_only, torch.empty(t.vocab_size, t.hidden_size))
     shapes = {name: tuple(p.shape) for name, p in drafter.named_parameters()}
     if cfg.draft_vocab_size != t.vocab_size:
         shapes["d2t"] = (cfg.draft_vocab_size,)

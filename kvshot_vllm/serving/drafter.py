@@ -17,12 +17,17 @@ lookahead slots of the same request. Metadata: `backend.py`.
 
 The cross-attention layers are `Attention` layers declared with `kv_sharing_target_layer_name`:
 vLLM allocates no cache for them and binds their `kv_cache` to the target layer's tensor.
+
+The layers and their math are the paradigm's own definition (`models/drafter.DraftLayers`), the
+one training runs; this module gives it vLLM's paged attention (`PagedAttention`,
+`PagedContext`) and vLLM's EAGLE-3 shell (embedding, fc, norm, lm_head, the proposer's hooks).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,12 +44,9 @@ from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
 
 from kvshot_vllm.errors import KVShotError
-from kvshot_vllm.models.config import TargetSpec, load_drafter_config
+from kvshot_vllm.models.config import DrafterConfig, TargetSpec, load_drafter_config
 from kvshot_vllm.models.drafter import DraftAttention
-from kvshot_vllm.models.hidden import EagleLayer, eagle_forward
-from kvshot_vllm.models.hybrid import corrected
-from kvshot_vllm.models.kv_only import KVLayer
-from kvshot_vllm.models.layers import GatedDelta
+from kvshot_vllm.models.layers import SelectiveScan
 from kvshot_vllm.models.parallel import TensorParallel, shard_weights, tensor_parallel
 from kvshot_vllm.models.weights import check_drafter_weights, verify_checkpoint
 from kvshot_vllm.serving.backend import (block_rows, draft_kv_backend, draft_plan,
@@ -75,7 +77,7 @@ class TargetKVAttention(DraftAttention):
 
     def __init__(self, in_size: int, target: TargetSpec, kv_layers: list[int], first_index: int,
                  rope: nn.Module, cache_config) -> None:
-        super().__init__(in_size, target, groups=len(kv_layers))
+        super().__init__(in_size, target, len(kv_layers), kv_layers)
         self.rope = rope
         backend = draft_kv_backend(platform_backend())
         # One vLLM attention per sampled layer, sharing that target layer's cache. A layer name
@@ -125,6 +127,42 @@ class PagedSelfAttention(DraftAttention):
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         q, k = self.rope(positions, self.q_proj(x), self.k_proj(x))
         return self.o_proj(self.attn(q, k, self.v_proj(x)))
+
+
+class PagedAttention:
+    """`AttentionFactory` of serving: vLLM attention layers over paged caches, their layer
+    names numbered after the target's layers (each name must be unique and hold one integer)."""
+
+    def __init__(self, cfg: DrafterConfig, rope: nn.Module, cache_config) -> None:
+        self.target, self.rope, self.cache_config = cfg.target, rope, cache_config
+        self.next_cross_index = cfg.target.num_layers + cfg.eagle_layers
+
+    def self_attention(self, in_size: int, layer: int) -> DraftAttention:
+        return PagedSelfAttention(in_size, self.target, self.target.num_layers + layer,
+                                  self.rope, self.cache_config)
+
+    def cross_attention(self, in_size: int, target_layers: list[int]) -> DraftAttention:
+        attn = TargetKVAttention(in_size, self.target, target_layers, self.next_cross_index,
+                                 self.rope, self.cache_config)
+        self.next_cross_index += len(target_layers)
+        return attn
+
+
+@dataclass
+class PagedContext:
+    """`DraftContext` of one vLLM draft pass: the attention metadata of the forward context
+    says what each row attends, so a module needs only the rows' positions."""
+
+    positions: torch.Tensor  # [T]
+    block: tuple[int, int] | None = None  # a one-block pass: (requests n, rows k), rows in order
+
+    def attend(self, attn: DraftAttention, x: torch.Tensor) -> torch.Tensor:
+        return attn(x, self.positions)
+
+    def mix(self, scan: SelectiveScan, x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        """The mixer scans each request's k block rows in order, from their shared cond."""
+        n, k = self.block
+        return scan.scan(x.view(n, k, -1), cond.view(n, k, -1)[:, 0]).flatten(0, 1)
 
 
 @contextmanager
@@ -189,7 +227,7 @@ class VerifiedEagle3LlamaForCausalLM(Eagle3LlamaForCausalLM):
 
 class KVShotEagle3LlamaForCausalLM(VerifiedEagle3LlamaForCausalLM):
     """KV-only, hybrid and block drafters (hidden-only ones are `VerifiedEagle3...`): the
-    training side's layers with vLLM's paged attention.
+    paradigm's own layers and math (`DraftLayers`) over vLLM's paged attention.
 
     Subclasses vLLM's EAGLE-3 model because the proposer asserts that class, and reuses its
     fc / norm / lm_head (with d2t) and the proposer's hooks into them.
@@ -228,30 +266,14 @@ class KVShotEagle3LlamaForCausalLM(VerifiedEagle3LlamaForCausalLM):
                 '"disable_padded_drafter_batch": true in --speculative-config.')
 
     def _build_layers(self, vllm_config: VllmConfig, cache_config) -> None:
-        """The training side's layers, this tensor-parallel rank's shards of them."""
-        cfg, target = self.kvshot, self.kvshot.target
-        first_index = target.num_layers + cfg.eagle_layers
-        if cfg.reads_only_kv:
-            reads = cfg.layer_reads()
-            starts = [first_index + sum(len(r) for r in reads[:i]) for i in range(len(reads))]
-            self.kv_layers = nn.ModuleList(
-                KVLayer(cfg, TargetKVAttention(target.hidden_size, target, r, start, self.rope,
-                                               cache_config))
-                for r, start in zip(reads, starts))
-            if cfg.spec.one_block:
-                self.mask_embed = nn.Parameter(torch.zeros(target.hidden_size))
-                self.block_rows = block_rows(vllm_config)
-                self._max_len = vllm_config.model_config.max_model_len
-                self._block: torch.Tensor | None = None  # [n, k, hidden] this proposal's rows
-                self._logits: torch.Tensor | None = None  # [n, k, vocab] their logits
-        else:  # hybrid: EAGLE-3 layers, the first with a cross-attention correction
-            self.layers = nn.ModuleList(
-                EagleLayer(target, i, lambda in_size, i=i: PagedSelfAttention(
-                    in_size, target, target.num_layers + i, self.rope, cache_config))
-                for i in range(cfg.eagle_layers))
-            self.cross = TargetKVAttention(2 * target.hidden_size, target, cfg.kv_layers,
-                                           first_index, self.rope, cache_config)
-            self.merge = GatedDelta(target.hidden_size, cfg.gate_init)
+        """The paradigm's layers, this tensor-parallel rank's shards of them."""
+        cfg = self.kvshot
+        cfg.spec.definition.build(self, cfg, PagedAttention(cfg, self.rope, cache_config))
+        if cfg.spec.one_block:
+            self.block_rows = block_rows(vllm_config)
+            self._max_len = vllm_config.model_config.max_model_len
+            self._block: torch.Tensor | None = None  # [n, k, hidden] this proposal's rows
+            self._logits: torch.Tensor | None = None  # [n, k, vocab] their logits
 
     # Called once at the top of every propose(), before draft step 0.
     def combine_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -262,26 +284,23 @@ class KVShotEagle3LlamaForCausalLM(VerifiedEagle3LlamaForCausalLM):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 hidden_states: torch.Tensor, inputs_embeds: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        one_block = self.kvshot.spec.one_block
-        if one_block and self._draft_step > 0:
+        spec = self.kvshot.spec
+        if spec.one_block and self._draft_step > 0:
             return self._block_row(positions.shape[0])
         if inputs_embeds is None:
             inputs_embeds = self.model.embed_input_ids(input_ids)
-        if self.kvshot.spec.self_attention:
-            return self._hybrid_forward(inputs_embeds, positions, hidden_states)
-        if one_block:
+        if spec.one_block:
             return self._block_forward(inputs_embeds, positions, hidden_states)
-        x = inputs_embeds
-        for layer in self.kv_layers:
-            x = layer(x, lambda cross, normed: cross(normed, positions))
-        return self.model.norm(x), x
+        out, hidden = spec.definition.forward(self, inputs_embeds, hidden_states,
+                                              PagedContext(positions))
+        return self.model.norm(out), hidden
 
     def _block_forward(self, embeds: torch.Tensor, positions: torch.Tensor,
                        hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft pass 0 of a block drafter computes the whole proposal: per request, k rows at
         positions p .. p + k - 1 (p: the last verified position), row 0 carrying the bonus token
-        and rows 1.. the mask, each plus the target's hidden state at p, in one causal pass.
-        Passes 1.. hand its rows out (`_block_row`). vLLM's own one-pass proposers
+        and rows 1.. the mask, each conditioned on the target's hidden state at p, in one causal
+        pass. Passes 1.. hand its rows out (`_block_row`). vLLM's own one-pass proposers
         (parallel_drafting, dflash) prepare their inputs with Triton kernels, which vLLM's CPU
         build lacks, so the block rides on the EAGLE-3 proposer."""
         plan = draft_plan(_metadata(self.kv_layers[0].cross.attn[0].layer_name))
@@ -290,18 +309,16 @@ class KVShotEagle3LlamaForCausalLM(VerifiedEagle3LlamaForCausalLM):
                 else torch.arange(positions.shape[0], device=positions.device))
         k = self.block_rows if plan is not None else 1
         n, h = last.shape[0], embeds.shape[-1]
-        cond = hidden_states[last]  # [n, hidden]
-        rows = torch.cat([embeds[last].unsqueeze(1), self.mask_embed.expand(n, k - 1, h)], 1)
-        x = (rows + cond.unsqueeze(1)).flatten(0, 1)  # [n * k, hidden]
+        definition = self.kvshot.spec.definition
+        rows = torch.stack([definition.row_embeds(self, j, embeds[last]) for j in range(k)], 1)
+        cond = hidden_states[last].unsqueeze(1).expand(n, k, h)
         pos = (positions[last].unsqueeze(1) + torch.arange(k, device=positions.device))
         pos = torch.where(pos < self._max_len, pos, torch.zeros_like(pos)).flatten()
         with _block_metadata(self._cross_layer_names() if plan is not None else []):
-            for layer in self.kv_layers:
-                # the recurrent mixer scans each request's k rows in order
-                x = layer(x, lambda cross, normed: cross(normed, pos), lambda ssm, x: ssm.scan(
-                    x.view(n, k, h), cond).flatten(0, 1))
-        self._block = self.model.norm(x).view(n, k, h)
-        out = x.new_zeros(positions.shape[0], h)
+            out, _ = definition.forward(self, rows.flatten(0, 1), cond.flatten(0, 1),
+                                        PagedContext(pos, block=(n, k)))
+        self._block = self.model.norm(out).view(n, k, h)
+        out = out.new_zeros(positions.shape[0], h)
         out[last] = self._block[:, 0]  # where the proposer samples draft 0
         return out, out
 
@@ -326,13 +343,6 @@ class KVShotEagle3LlamaForCausalLM(VerifiedEagle3LlamaForCausalLM):
 
     def _cross_layer_names(self) -> list[str]:
         return [attn.layer_name for layer in self.kv_layers for attn in layer.cross.attn]
-
-    def _hybrid_forward(self, embeds: torch.Tensor, positions: torch.Tensor,
-                        hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        attend = corrected(self.merge, lambda i, attn, x: attn(x, positions),
-                           lambda x: self.cross(x, positions))
-        prenorm = eagle_forward(self.layers, embeds, hidden_states, attend)
-        return self.model.norm(prenorm), prenorm
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         if self.kvshot.spec.one_block and self._block is not None:
