@@ -6,10 +6,12 @@ For each configuration one engine runs every bucket (`step_profile.profile`, the
 timing decode steps: each prompt is prefilled first and then served from the prefix cache. The
 configurations: no speculation, stock EAGLE-3 with the shipped hidden-only drafter (its own
 draft cache covers the whole prefix), and the KV-only and hybrid drafters reading the target's
-cache in place, each with the full view and with a `--budget`-token view. Drafting time
+cache in place, each with the full view and with a `--budget`-token view, and the hybrid also
+with that view of its own EAGLE-3 cache (@B+own, `KVBudget.draft_cache`). Drafting time
 does not depend on the weights, so the plugin's drafters are untrained; `--trained NAME=DIR`
-adds a trained KV-reuse drafter as it is (NAME) and with the `--budget`-token view (NAME@B),
-for the acceptance side (item 4): tokens per step and acceptance length per bucket, served.
+adds a trained KV-reuse drafter as it is (NAME) and with the `--budget`-token views (NAME@B,
+and NAME@B+own for a hybrid), for the acceptance side (item 4): tokens per step and acceptance
+length per bucket, served.
 `--configs` keeps only the named configurations. Also per configuration: the bytes of
 draft-side cache each request holds for its prefix, and the target K/V a draft step reads.
 
@@ -37,39 +39,50 @@ def plugin_drafters(target: Path, root: Path, budget: int) -> dict[str, Path]:
     out = {}
     for paradigm in ("kv", "hybrid"):
         out[paradigm] = init_checkpoint(target, root / paradigm, paradigm=paradigm)
-        out[f"{paradigm}@{budget}"] = init_checkpoint(
-            target, root / f"{paradigm}-{budget}", paradigm=paradigm,
-            kv_budget={"tokens": budget, "block_size": BLOCK_SIZE})
+        out.update(with_budgets(f"{paradigm}@{budget}", out[paradigm], root, budget))
     return out
 
 
-def with_budget(ckpt: Path, out: Path, budget: int) -> Path:
-    """A copy of a trained drafter whose config reads the target's KV through a `budget`-token
-    streaming view (weights as they are; no manifest, as the config is not the shipped one)."""
+def with_budgets(name: str, ckpt: Path, root: Path, budget: int) -> dict[str, Path]:
+    """Copies of a drafter whose config reads the target's KV through a `budget`-token
+    streaming view: NAME@B, and for a drafter with its own cache NAME@B+own, that view of its
+    cache too (weights as they are; no manifest, as the config is not the shipped one)."""
     import json
     import shutil
 
-    out.mkdir(parents=True, exist_ok=True)
-    for file in ckpt.glob("*.safetensors"):
-        shutil.copyfile(file, out / file.name)
-    config = json.loads((ckpt / "config.json").read_text())
-    config["kvshot"]["kv_budget"] = {"tokens": budget, "block_size": BLOCK_SIZE}
-    (out / "config.json").write_text(json.dumps(config, indent=2))
+    from kvshot_vllm.models.config import load_drafter_config
+
+    name = name.split("@")[0]
+    views = {f"{name}@{budget}": False}
+    if load_drafter_config(ckpt).spec.self_attention:
+        views[f"{name}@{budget}+own"] = True
+    out = {}
+    for view, draft_cache in views.items():
+        out[view] = root / view.replace("@", "-").replace("+", "-")
+        out[view].mkdir(parents=True, exist_ok=True)
+        for file in ckpt.glob("*.safetensors"):
+            shutil.copyfile(file, out[view] / file.name)
+        config = json.loads((ckpt / "config.json").read_text())
+        config["kvshot"]["kv_budget"] = {"tokens": budget, "block_size": BLOCK_SIZE,
+                                         "draft_cache": draft_cache}
+        (out[view] / "config.json").write_text(json.dumps(config, indent=2))
     return out
 
 
 def kv_bytes(ckpt: Path | None, prefix: int, dtype_bytes: int) -> tuple[int, int]:
-    """(draft-side cache bytes a request holds for its prefix, target K/V bytes one draft step
-    reads) of a drafter; (0, 0) without one."""
+    """(draft-side cache bytes a request holds for its prefix, K/V bytes of the prefix one draft
+    step reads: the target's and its own cache's) of a drafter; (0, 0) without one."""
     from kvshot_vllm.models.config import load_drafter_config
 
     if ckpt is None:
         return 0, 0
     cfg = load_drafter_config(ckpt)
     per_token = 2 * cfg.target.num_kv_heads * cfg.target.head_dim * dtype_bytes  # K and V
-    own = cfg.eagle_layers * per_token * prefix
-    view = prefix if cfg.kv_budget is None else min(prefix, cfg.kv_budget.tokens)
-    return own, len(cfg.kv_layers) * per_token * view
+    budget = cfg.kv_budget
+    view = prefix if budget is None else min(prefix, budget.tokens)
+    own_view = view if budget is not None and budget.draft_cache else prefix
+    own = cfg.eagle_layers * per_token
+    return own * prefix, own * own_view + len(cfg.kv_layers) * per_token * view
 
 
 def main() -> None:
@@ -111,8 +124,7 @@ def main() -> None:
                                         **plugin_drafters(target, root, a.budget)}
     for name, ckpt in trained.items():
         drafters[name] = Path(ckpt)
-        drafters[f"{name}@{a.budget}"] = with_budget(Path(ckpt), root / f"{name}-{a.budget}",
-                                                     a.budget)
+        drafters.update(with_budgets(name, Path(ckpt), root, a.budget))
     if a.configs:
         unknown = set(a.configs) - set(drafters)
         if unknown:
@@ -148,8 +160,8 @@ def main() -> None:
              + "".join(f", {n} ({c})" for n, c in trained.items()) + ".",
              f"Regenerate: `{command}`", "",
              "drafter layers: ms per engine step in the drafter's forward passes (all k); "
-             "draft cache: the drafter's own cache for the prefix, per request; KV read: target "
-             "K/V one draft step reads.", ""]
+             "draft cache: the drafter's own cache for the prefix, per request; KV read: the "
+             "prefix's K/V one draft step reads, the target's and its own cache's.", ""]
     for level in a.levels:
         lines += [f"Concurrency {level}:", "",
                   "| config | prefix | tokens/step | MAT | ms/token | target forward ms/step | "

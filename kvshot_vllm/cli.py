@@ -159,10 +159,13 @@ def _default_device() -> str:
 
 
 def _multi_view(a: argparse.Namespace) -> dict | None:
-    """--multi-view [TOKENS:P ...] and --view-block-size as TrainConfig.multi_view."""
+    """--multi-view [TOKENS:P ...], --view-block-size and --view-draft-cache as
+    TrainConfig.multi_view."""
     if a.multi_view is None:
         return None
     fields: dict = {"block_size": a.view_block_size} if a.view_block_size else {}
+    if a.view_draft_cache:
+        fields["draft_cache"] = True
     if a.multi_view:
         try:
             fields["budgets"] = {int(t): float(p) for t, p in
@@ -216,7 +219,8 @@ def cmd_diagnose(a: argparse.Namespace) -> None:
     from kvshot_vllm.training.pipeline import feature_spec, features_for
 
     try:
-        views = [KVBudget(tokens=t, block_size=a.view_block_size) for t in a.kv_budgets or []]
+        views = [KVBudget(tokens=t, block_size=a.view_block_size, draft_cache=own)
+                 for own in sorted({False, a.view_draft_cache}) for t in a.kv_budgets or []]
     except ValidationError as exc:
         raise KVShotError("--kv-budgets: " + first_validation_error(exc)[1]) from None
     data_dir, target, dataset = _training_inputs(a)
@@ -440,6 +444,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--view-block-size", type=int,
                    help="multi-view: the cache block size views are cut in (default 32, the "
                    "smallest vLLM's CPU build takes; serve with the same --block-size)")
+    p.add_argument("--view-draft-cache", action="store_true",
+                   help="multi-view: the views also cover the drafter's own self-attention "
+                   "cache (a hybrid's EAGLE-3 layer)")
     p.add_argument("--name", help="run name (default: PARADIGM-NL-PRESET)")
     p.add_argument("--out", help="run directory (default: DATA_DIR/runs/NAME)")
     p.set_defaults(func=cmd_train)
@@ -483,6 +490,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "target's KV of each budget (NAME@TOKENS rows; sink block + recent window)")
     p.add_argument("--view-block-size", type=int, default=32,
                    help="the cache block size the views are cut in (default 32)")
+    p.add_argument("--view-draft-cache", action="store_true",
+                   help="also diagnose each view covering a hybrid's own self-attention cache "
+                   "too (NAME@TOKENS+own rows)")
     p.add_argument("--out", default="results/diagnose", help="output path without suffix")
     p.set_defaults(func=cmd_diagnose)
 

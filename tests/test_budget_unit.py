@@ -99,6 +99,11 @@ def test_draft_attention_under_a_budget_ignores_keys_out_of_view() -> None:
      "leave less than two blocks"),
     ({"paradigm": "hidden", "kv_budget": {"tokens": 128, "block_size": 32}},
      "kv_budget: a hidden drafter reads no target KV"),
+    ({"paradigm": "kv", "kv_budget": {"tokens": 128, "block_size": 32, "draft_cache": True}},
+     "kv_budget.draft_cache: a kv drafter has no cache of its own"),
+    ({"paradigm": "hybrid", "num_layers": 2,
+      "kv_budget": {"tokens": 128, "block_size": 32, "draft_cache": True}},
+     "kv_budget.draft_cache: served exactly for one EAGLE-3 layer, not 2"),
 ])
 def test_bad_budgets_are_refused_by_name(fields, message) -> None:
     with pytest.raises(KVShotError, match=message):
@@ -134,3 +139,38 @@ def test_cli_refuses_bad_views_before_reading_data() -> None:
                           "--multi-view takes TOKENS:PROBABILITY pairs")
     assert_one_line_error(run_kvshot("diagnose", "x=y", "--kv-budgets", "64"),
                           "--kv-budgets: tokens 64 leave less than two blocks of 32")
+
+
+def test_a_viewed_draft_cache_hides_the_hybrids_own_distant_keys() -> None:
+    """With `draft_cache`, a hybrid's self-attention reads the view of its own step-0 keys: a
+    change to the drafter's input at a position out of a row's view leaves that row's drafts
+    alone, which it does not without `draft_cache` (the cross view alone)."""
+    from transformers import LlamaConfig
+
+    from kvshot_vllm.models.config import TargetSpec
+    from kvshot_vllm.models.drafter import Drafter, TargetFeatures
+    from kvshot_vllm.models.weights import init_weights
+
+    hf = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=50)
+    g = torch.Generator().manual_seed(0)
+    t = 40
+    kv = {layer: (torch.randn(1, 2, t, 8, generator=g), torch.randn(1, 2, t, 8, generator=g))
+          for layer in (0, 3)}
+    ids = torch.randint(0, 50, (1, t), generator=g)
+    aux = torch.randn(1, t, 3 * 32, generator=g)
+    spoiled = aux.clone()
+    spoiled[:, 6] = 5.0  # the drafter's own key at position 6, in block 1
+
+    def last_rows(draft_cache: bool, aux: torch.Tensor) -> torch.Tensor:
+        budget = {"tokens": 16, "sink_tokens": 4, "block_size": 4, "draft_cache": draft_cache}
+        cfg = validated({"paradigm": "hybrid", "target": TargetSpec.from_hf_config(hf, "tiny"),
+                         "kv_layers": [0, 3], "kv_budget": budget})
+        drafter = Drafter(cfg, hf, torch.randn(50, 32, generator=torch.Generator()))
+        drafter.load_checkpoint_weights(init_weights(cfg, seed=1, std=0.3))
+        with torch.no_grad():
+            return drafter.chain(TargetFeatures(ids, aux, kv), 2)[-1][0, 20:]
+
+    # rows 20.. verify 21.. keys: block 1 (keys 4..7) is out of their view
+    assert torch.equal(last_rows(True, aux), last_rows(True, spoiled))
+    assert not torch.equal(last_rows(False, aux), last_rows(False, spoiled))

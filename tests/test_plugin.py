@@ -107,7 +107,8 @@ def drafters(target_fp32: Path, tmp_path_factory) -> dict[str, Path]:
                                          ssm_state_size=4)
     paths["oracle"] = build_oracle(target_fp32, root / "oracle")
     paths["hybrid-budget"] = init_checkpoint(target_fp32, root / "hybrid-budget",
-                                             paradigm="hybrid", kv_budget=VIEW)
+                                             paradigm="hybrid",
+                                             kv_budget={**VIEW, "draft_cache": True})
     return {**paths, **SHIPPED}
 
 
@@ -339,8 +340,11 @@ def _proposals(worker) -> list:
 # Every drafter the plugin serves, by its checkpoint options.
 PARITY_DRAFTERS = {**{name: {"paradigm": name} for name in paradigm_names()},
                    "block-ssm": {"paradigm": "block", "ssm_state_size": 4}}
-BUDGETED_DRAFTERS = {f"{name}-budget": {"paradigm": name, "kv_budget": VIEW}
-                     for name in ("kv", "hybrid", "block")}
+BUDGETED_DRAFTERS = {**{f"{name}-budget": {"paradigm": name, "kv_budget": VIEW}
+                        for name in ("kv", "hybrid", "block")},
+                     # the hybrid's own EAGLE-3 cache in view too
+                     "hybrid-budget-draft": {"paradigm": "hybrid",
+                                             "kv_budget": {**VIEW, "draft_cache": True}}}
 
 
 @pytest.fixture(scope="module")
@@ -435,7 +439,8 @@ def test_tensor_parallel_ranks_draft_what_one_rank_drafts(name, tp_target, data_
 
 
 # The plain block drafter's serving path is the block-ssm one's without the mixer, and the
-# budgeted KV-only and hybrid drafters' view is the block drafter's: slow set.
+# budgeted KV-only and hybrid drafters' cross view is the block drafter's and the hybrid's with
+# its own cache in view: slow set.
 @pytest.mark.parametrize("name", [
     pytest.param(n, marks=pytest.mark.slow) if n in ("block", "kv-budget", "hybrid-budget")
     else n for n in [*PARITY_DRAFTERS, *BUDGETED_DRAFTERS]])

@@ -343,3 +343,4 @@ def test_multi_view_draws_budgets_by_step() -> None:
         assert abs(draws.count(tokens) / len(draws) - p) < 0.04, (tokens, draws.count(tokens))
     with pytest.raises(KVShotError, match="not a multiple of block_size"):
         train_config("quick", multi_view={"budgets": {100: 1.0}})
+    assert MultiView(draft_cache=True).draw(0, 5).draft_cache and not views.draw(0, 5).draft_cache

@@ -1,4 +1,5 @@
-"""Sparse views of the target's KV for a drafter's cross-attention (BudgetDraft; issue 15).
+"""Sparse views of the target's KV for a drafter's cross-attention, and optionally of the
+drafter's own self-attention cache (BudgetDraft; issue 15).
 
 A drafter that reads the target's cache in place can read less of it. A view keeps, of the
 verified prefix, its first blocks (StreamingLLM's attention sinks) and its most recent window,
@@ -10,6 +11,10 @@ own K/V) are always in view.
 Views are whole cache blocks, so that vLLM serves one as a shorter block table with no K/V
 copied (`serving/backend.py`), and training masks exactly the same keys
 (`layers.draft_attention`). The verifier keeps the full cache.
+
+With `draft_cache`, a hybrid's EAGLE-3 self-attention reads the same view of its own cache (the
+drafter's keys of the verified positions), as BudgetDraft budgets its drafter's cache: then no
+read of a draft step grows with the prefix.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ class KVBudget(BaseModel):
     sink_tokens: int | None = Field(None, ge=0)
     # the paged cache's block size: a view is whole blocks (vLLM: --block-size)
     block_size: int = Field(gt=0)
+    # also view the drafter's own self-attention cache (a hybrid's EAGLE-3 layer)
+    draft_cache: bool = False
 
     @model_validator(mode="after")
     def _whole_blocks(self) -> "KVBudget":

@@ -139,6 +139,15 @@ class DrafterConfig(BaseModel):
                              "per drafter layer")
         if self.kv_budget is not None and not self.spec.reads_target_kv:
             raise ValueError(f"kv_budget: a {self.paradigm} drafter reads no target KV")
+        if self.kv_budget is not None and self.kv_budget.draft_cache:
+            if not self.spec.self_attention:
+                raise ValueError(f"kv_budget.draft_cache: a {self.paradigm} drafter has no "
+                                 f"cache of its own")
+            # One layer's K/V depend on its inputs only; a second layer's would be computed
+            # under a prefill chunk's last view at the chunk's other rows (`serving/backend.py`).
+            if self.num_layers != 1:
+                raise ValueError(f"kv_budget.draft_cache: served exactly for one EAGLE-3 layer, "
+                                 f"not {self.num_layers}")
         if self.ssm_state_size and not self.spec.one_block:
             raise ValueError("ssm_state_size: the recurrent mixer belongs to block drafters")
         if self.draft_vocab_size is None:

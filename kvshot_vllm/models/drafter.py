@@ -123,7 +123,8 @@ class DraftAttention(nn.Module):
                 ctx: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
                 view: KVBudget | None = None) -> torch.Tensor:
         """x [B, T, in] -> [B, T, hidden]. `ctx`: target K/V per group (cross-attention), or None
-        for self-attention; `view`: the part of `ctx` in view (`budget.py`), None: all."""
+        for self-attention (the step-0 keys); `view`: the part of that context in view
+        (`budget.py`), None: all."""
         b, t, _ = x.shape
         cos, sin = rope
         q = rotate(self.q_proj(x).view(b, t, self.groups * self.heads, self.head_dim), cos, sin)
@@ -229,12 +230,12 @@ class OfflineContext:
         return self.drafter.rope(self.positions + 1)
 
     def attend(self, attn: DraftAttention, x: torch.Tensor) -> torch.Tensor:
-        chain = self.chains[attn]
+        chain, view = self.chains[attn], self.drafter.view
         if attn.target_layers is None:
-            return attn(x, self.self_rope, chain)
+            return attn(x, self.self_rope, chain, view=view if view and view.draft_cache else None)
         ctx = attn.target_context([self.feats.target_kv[i] for i in attn.target_layers],
                                   self.drafter.rope)
-        return attn(x, self.cross_rope, chain, ctx=ctx, view=self.drafter.view)
+        return attn(x, self.cross_rope, chain, ctx=ctx, view=view)
 
     def mix(self, scan: SelectiveScan, x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
         return self.chains[scan].advance(scan, x, cond)
@@ -287,12 +288,13 @@ class Drafter(nn.Module):
         self.paradigm.build(self, cfg, OfflineAttention(cfg))
         # draft id i -> target id i + d2t[i] (EAGLE-3's convention, read by vLLM)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
-        # the view of the target's K/V that cross-attention reads (`budget.py`); None: all
+        # the view of the K/V that attention reads (`budget.py`); None: all
         self.view = cfg.kv_budget
 
     @contextmanager
     def viewing(self, view: KVBudget | None) -> Iterator[None]:
-        """Inside: the cross-attention reads `view` of the target's K/V (multi-view training)."""
+        """Inside: the cross-attention reads `view` of the target's K/V, and with
+        `view.draft_cache` the self-attention the same view of its own (multi-view training)."""
         kept, self.view = self.view, view
         try:
             yield

@@ -13,7 +13,8 @@ subclass also gives the cross layers their own attention group in the proposer.
 
 For a block drafter, draft pass 0 also gets the metadata of its whole block (`_build_block`).
 A drafter with a `kv_budget` reads a sparse view of the target's cache: the same pages through
-a shorter block table (`_in_view`, `models/budget.py`).
+a shorter block table (`_in_view`, `models/budget.py`); with `draft_cache`, a hybrid's EAGLE-3
+self-attention reads the same view of its own cache (`DraftCacheViewBuilderMixin`).
 The contract between this builder and the drafter layers is `DraftKVPlan`
 (docs/architecture.md).
 """
@@ -67,7 +68,46 @@ def write_slots(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: i
     return torch.where(inside, slots, torch.full_like(slots, PAD_SLOT))
 
 
-class DraftKVBuilderMixin:
+class ViewBuilderMixin:
+    """A drafter's view of a paged cache (`budget.py`): the same pages, fewer of them."""
+
+    def _in_view(self, cad, verified: torch.Tensor):
+        """`cad` with each request's block table and key counts cut to the drafter's view of
+        its V verified keys: nothing copied. The rows' keys all follow the left-out blocks, so
+        the kernel's causal bounds shift with the key counts. verified [n]."""
+        budget = self._budget
+        if budget is None:
+            return cad
+        n = cad.num_reqs
+        gap = torch.zeros(cad.block_table_tensor.shape[0], dtype=torch.long,
+                          device=verified.device)
+        gap[:n] = left_out_blocks(verified.long(), budget)
+        seq_lens = cad.seq_lens[:n] - (gap[:n] * budget.block_size).to(cad.seq_lens.dtype)
+        return dataclasses.replace(
+            cad, seq_lens=seq_lens, max_seq_len=int(seq_lens.max()) if n else 0,
+            block_table_tensor=view_block_table(cad.block_table_tensor, gap, budget))
+
+    @functools.cached_property
+    def _budget(self) -> KVBudget | None:
+        cfg = drafter_config(self.vllm_config)
+        return cfg.kv_budget if cfg is not None else None
+
+
+class DraftCacheViewBuilderMixin(ViewBuilderMixin):
+    """Mixed into the builder of a hybrid's EAGLE-3 self-attention when its budget covers the
+    drafter's own cache (`KVBudget.draft_cache`): draft pass j's rows read the view of their
+    V = seq_len - j verified keys. In pass 0 every row of a request gets its last row's view;
+    rows before it are not sampled, and one layer's K/V, written for every row, do not depend
+    on what the layer reads (hence one layer only, `config.py`)."""
+
+    def build_for_drafting(self, common_attn_metadata, draft_index: int):
+        cad = common_attn_metadata
+        verified = cad.seq_lens[:cad.num_reqs] - draft_index
+        return self.build(common_prefix_len=0, common_attn_metadata=self._in_view(cad, verified),
+                          fast_build=True)
+
+
+class DraftKVBuilderMixin(ViewBuilderMixin):
     """Mixed into a backend's metadata builder; see the module docstring."""
 
     def build_for_drafting(self, common_attn_metadata, draft_index: int):
@@ -89,28 +129,6 @@ class DraftKVBuilderMixin:
                                     self.vllm_config.model_config.max_model_len),
             block=self._build_block(cad, rows, verified) if draft_index == 0 and rows else None)
         return md
-
-    def _in_view(self, cad, verified: torch.Tensor):
-        """`cad` with each request's block table and key counts cut to the drafter's view of
-        its V verified keys (`budget.py`): the same pages, fewer of them, nothing copied. The
-        rows' keys all follow the left-out blocks, so the kernel's causal bounds shift with
-        the key counts. verified [n]."""
-        budget = self._budget
-        if budget is None:
-            return cad
-        n = cad.num_reqs
-        gap = torch.zeros(cad.block_table_tensor.shape[0], dtype=torch.long,
-                          device=verified.device)
-        gap[:n] = left_out_blocks(verified.long(), budget)
-        seq_lens = cad.seq_lens[:n] - (gap[:n] * budget.block_size).to(cad.seq_lens.dtype)
-        return dataclasses.replace(
-            cad, seq_lens=seq_lens, max_seq_len=int(seq_lens.max()) if n else 0,
-            block_table_tensor=view_block_table(cad.block_table_tensor, gap, budget))
-
-    @functools.cached_property
-    def _budget(self) -> KVBudget | None:
-        cfg = drafter_config(self.vllm_config)
-        return cfg.kv_budget if cfg is not None else None
 
     @functools.cached_property
     def _block_rows(self) -> int:
@@ -163,14 +181,17 @@ def block_rows(vllm_config) -> int:
 
 
 @functools.cache
-def draft_kv_backend(base_backend: type) -> type:
-    """A subclass of `base_backend` whose builder is `DraftKVBuilderMixin` + the base builder.
+def draft_backend(base_backend: type, mixin: type) -> type:
+    """A subclass of `base_backend` whose builder is `mixin` + the base builder: the cross
+    layers' (`DraftKVBuilderMixin`) or a viewed draft cache's (`DraftCacheViewBuilderMixin`).
+    A backend of its own also gives those layers their own attention group in the proposer.
 
     get_name() is inherited: vLLM maps it through AttentionBackendEnum.
     """
     base_builder = base_backend.get_builder_cls()
-    builder = type(f"DraftKV{base_builder.__name__}", (DraftKVBuilderMixin, base_builder), {})
-    return type(f"DraftKV{base_backend.__name__}", (base_backend,),
+    prefix = mixin.__name__.removesuffix("BuilderMixin")
+    builder = type(f"{prefix}{base_builder.__name__}", (mixin, base_builder), {})
+    return type(f"{prefix}{base_backend.__name__}", (base_backend,),
                 {"get_builder_cls": staticmethod(lambda: builder), "__module__": __name__})
 
 

@@ -49,8 +49,8 @@ from kvshot_vllm.models.drafter import DraftAttention
 from kvshot_vllm.models.layers import SelectiveScan
 from kvshot_vllm.models.parallel import TensorParallel, shard_weights, tensor_parallel
 from kvshot_vllm.models.weights import check_drafter_weights, verify_checkpoint
-from kvshot_vllm.serving.backend import (block_rows, draft_kv_backend, draft_plan,
-                                         platform_backend)
+from kvshot_vllm.serving.backend import (DraftCacheViewBuilderMixin, DraftKVBuilderMixin,
+                                         block_rows, draft_backend, draft_plan, platform_backend)
 from kvshot_vllm.serving.checks import check_against_target
 
 # Under the "vllm." namespace: loggers outside it are silent in vLLM worker processes.
@@ -79,7 +79,7 @@ class TargetKVAttention(DraftAttention):
                  rope: nn.Module, cache_config) -> None:
         super().__init__(in_size, target, len(kv_layers), kv_layers)
         self.rope = rope
-        backend = draft_kv_backend(platform_backend())
+        backend = draft_backend(platform_backend(), DraftKVBuilderMixin)
         # One vLLM attention per sampled layer, sharing that target layer's cache. A layer name
         # must hold exactly one integer (vLLM derives the layer index from it).
         self.attn = nn.ModuleList(
@@ -117,12 +117,14 @@ class PagedSelfAttention(DraftAttention):
     [T, in] -> [T, hidden]."""
 
     def __init__(self, in_size: int, target: TargetSpec, layer: int, rope: nn.Module,
-                 cache_config) -> None:
+                 cache_config, viewed: bool) -> None:
         super().__init__(in_size, target)
         self.rope = rope
+        # viewed: it reads the drafter's view of its cache (`KVBudget.draft_cache`)
+        backend = draft_backend(platform_backend(), DraftCacheViewBuilderMixin) if viewed else None
         self.attn = Attention(self.heads, self.head_dim, self.head_dim**-0.5,
                               num_kv_heads=self.kv_heads, cache_config=cache_config,
-                              prefix=f"model.layers.{layer}.self_attn.attn")
+                              prefix=f"model.layers.{layer}.self_attn.attn", attn_backend=backend)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         q, k = self.rope(positions, self.q_proj(x), self.k_proj(x))
@@ -136,10 +138,11 @@ class PagedAttention:
     def __init__(self, cfg: DrafterConfig, rope: nn.Module, cache_config) -> None:
         self.target, self.rope, self.cache_config = cfg.target, rope, cache_config
         self.next_cross_index = cfg.target.num_layers + cfg.eagle_layers
+        self.view_draft_cache = cfg.kv_budget is not None and cfg.kv_budget.draft_cache
 
     def self_attention(self, in_size: int, layer: int) -> DraftAttention:
         return PagedSelfAttention(in_size, self.target, self.target.num_layers + layer,
-                                  self.rope, self.cache_config)
+                                  self.rope, self.cache_config, self.view_draft_cache)
 
     def cross_attention(self, in_size: int, target_layers: list[int]) -> DraftAttention:
         attn = TargetKVAttention(in_size, self.target, target_layers, self.next_cross_index,

@@ -51,6 +51,8 @@ class MultiView(BaseModel):
     # the block size of the cache the drafter will be served from (a view is whole blocks)
     block_size: int = Field(32, gt=0)
     sink_tokens: int | None = None
+    # the views also cover the drafter's own self-attention cache (`KVBudget.draft_cache`)
+    draft_cache: bool = False
 
     @model_validator(mode="after")
     def _valid_views(self) -> "MultiView":
@@ -69,7 +71,7 @@ class MultiView(BaseModel):
         i = int(torch.multinomial(torch.tensor([self.budgets[t] for t in tokens]), 1,
                                   generator=g))
         return KVBudget(tokens=tokens[i], block_size=self.block_size,
-                        sink_tokens=self.sink_tokens)
+                        sink_tokens=self.sink_tokens, draft_cache=self.draft_cache)
 
 
 class TrainConfig(BaseModel):
@@ -314,6 +316,9 @@ class Trainer:
         if cfg.multi_view and drafter_cfg.kv_budget:
             raise KVShotError("multi-view training trains the full view with sparse ones: "
                               "drop the drafter's kv_budget")
+        if cfg.multi_view and cfg.multi_view.draft_cache:  # a view the drafter can be served with
+            validated({**drafter_cfg.model_dump(), "kv_budget": cfg.multi_view.draw(0, 0)},
+                      "multi-view")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         run = {"drafter": drafter_cfg.model_dump(mode="json"), "train": cfg.model_dump(),
                "features": str(features.path.resolve()), "target": str(Path(target_dir).resolve()),
