@@ -110,7 +110,13 @@ class DraftCacheViewBuilderMixin(ViewBuilderMixin):
 class DraftKVBuilderMixin(ViewBuilderMixin):
     """Mixed into a backend's metadata builder; see the module docstring."""
 
+    _block_pass = None  # a one-block drafter's pass-0 metadata, what its later passes get
+
     def build_for_drafting(self, common_attn_metadata, draft_index: int):
+        if draft_index > 0 and self._block_rows and self._block_pass is not None:
+            # Passes 1.. of a one-block drafter attend nothing: they hand out the rows of pass
+            # 0's block, so the metadata vLLM asks for is not built again.
+            return self._block_pass
         cad = common_attn_metadata
         n = cad.num_reqs
         # one key more than vLLM's rows see: the token each row carries (CPU fix 3 keeps
@@ -128,6 +134,7 @@ class DraftKVBuilderMixin(ViewBuilderMixin):
                                     self.kv_cache_spec.block_size,
                                     self.vllm_config.model_config.max_model_len),
             block=self._build_block(cad, rows, verified) if draft_index == 0 and rows else None)
+        self._block_pass = md
         return md
 
     @functools.cached_property
