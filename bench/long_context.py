@@ -39,7 +39,7 @@ def plugin_drafters(target: Path, root: Path, budget: int) -> dict[str, Path]:
     out = {}
     for paradigm in ("kv", "hybrid"):
         out[paradigm] = init_checkpoint(target, root / paradigm, paradigm=paradigm)
-        out.update(with_budgets(f"{paradigm}@{budget}", out[paradigm], root, budget))
+        out.update(with_budgets(paradigm, out[paradigm], root, budget))
     return out
 
 
@@ -52,7 +52,6 @@ def with_budgets(name: str, ckpt: Path, root: Path, budget: int) -> dict[str, Pa
 
     from kvshot_vllm.models.config import load_drafter_config
 
-    name = name.split("@")[0]
     views = {f"{name}@{budget}": False}
     if load_drafter_config(ckpt).spec.self_attention:
         views[f"{name}@{budget}+own"] = True

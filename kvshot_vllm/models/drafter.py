@@ -278,14 +278,14 @@ class Drafter(nn.Module):
         super().__init__()
         t = cfg.target
         self.cfg = cfg
-        self.paradigm = cfg.spec.definition
+        self.definition = cfg.spec.definition  # the paradigm's layers and math
         self.register_buffer("embed", embed.detach().float(), persistent=False)
         self.rope = Rope(target_hf_config)
         self.norm = RMSNorm(t.hidden_size, t.rms_norm_eps)
         self.lm_head = nn.Linear(t.hidden_size, cfg.draft_vocab_size, bias=False)
         if cfg.spec.uses_aux_hidden:
             self.fc = nn.Linear(len(cfg.aux_layers) * t.hidden_size, t.hidden_size, bias=False)
-        self.paradigm.build(self, cfg, OfflineAttention(cfg))
+        self.definition.build(self, cfg, OfflineAttention(cfg))
         # draft id i -> target id i + d2t[i] (EAGLE-3's convention, read by vLLM)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         # the view of the K/V that attention reads (`budget.py`); None: all
@@ -323,8 +323,8 @@ class Drafter(nn.Module):
             positions = torch.arange(j, t + j, device=ids.device).expand(b, t)[:, start:]
             if hidden is not None:
                 hidden = hidden[:, start - t:]
-            embeds = self.paradigm.row_embeds(self, j, self.embed[tokens[:, start:]])
-            out, hidden = self.paradigm.forward(
+            embeds = self.definition.row_embeds(self, j, self.embed[tokens[:, start:]])
+            out, hidden = self.definition.forward(
                 self, embeds, hidden, OfflineContext(self, positions, feats, chains))
             outs.append(self.norm(out))
         return outs
