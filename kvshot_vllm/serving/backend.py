@@ -87,6 +87,12 @@ class ViewBuilderMixin:
             cad, seq_lens=seq_lens, max_seq_len=int(seq_lens.max()) if n else 0,
             block_table_tensor=view_block_table(cad.block_table_tensor, gap, budget))
 
+    def _build_in_view(self, cad, verified: torch.Tensor):
+        """The base builder's draft metadata for `cad` in the drafter's view (all of it without
+        a budget), as vLLM's default `build_for_drafting` builds it."""
+        return self.build(common_prefix_len=0, common_attn_metadata=self._in_view(cad, verified),
+                          fast_build=True)
+
     @functools.cached_property
     def _budget(self) -> KVBudget | None:
         cfg = drafter_config(self.vllm_config)
@@ -102,9 +108,7 @@ class DraftCacheViewBuilderMixin(ViewBuilderMixin):
 
     def build_for_drafting(self, common_attn_metadata, draft_index: int):
         cad = common_attn_metadata
-        verified = cad.seq_lens[:cad.num_reqs] - draft_index
-        return self.build(common_prefix_len=0, common_attn_metadata=self._in_view(cad, verified),
-                          fast_build=True)
+        return self._build_in_view(cad, cad.seq_lens[:cad.num_reqs] - draft_index)
 
 
 class DraftKVBuilderMixin(ViewBuilderMixin):
@@ -125,8 +129,7 @@ class DraftKVBuilderMixin(ViewBuilderMixin):
         cad = dataclasses.replace(cad, seq_lens=seq_lens, max_seq_len=int(seq_lens.max()) if n else 0)
         # draft pass j's last row carries the token at V + j (V: verified length)
         verified = seq_lens - 1 - draft_index
-        md = self.build(common_prefix_len=0, common_attn_metadata=self._in_view(cad, verified),
-                        fast_build=True)
+        md = self._build_in_view(cad, verified)
         rows = self._block_rows
         md.kvshot_plan = DraftKVPlan(
             write_rows=cad.query_start_loc[1 : n + 1].long() - 1,
@@ -153,8 +156,7 @@ class DraftKVBuilderMixin(ViewBuilderMixin):
             max_seq_len=int(lens.max()) if n else 0, slot_mapping=slots, positions=None,
             seq_lens_cpu_upper_bound=None if cad.seq_lens_cpu_upper_bound is None
             else lens.cpu())
-        md = self.build(common_prefix_len=0, common_attn_metadata=self._in_view(block, verified),
-                        fast_build=True)
+        md = self._build_in_view(block, verified)
         md.kvshot_plan = DraftKVPlan(write_rows=torch.arange(n * k, device=slots.device),
                                      write_slots=slots)
         return md
