@@ -176,13 +176,32 @@ def _multi_view(a: argparse.Namespace) -> dict | None:
     return fields
 
 
+def _kv_budget(a: argparse.Namespace) -> dict | None:
+    """--kv-budget TOKENS [--memory CHUNK:SLOTS --memory-caches C], --view-block-size and
+    --view-draft-cache as DrafterConfig.kv_budget."""
+    if a.kv_budget is None:
+        if a.memory:
+            raise KVShotError("--memory summarises what a view leaves out: give --kv-budget")
+        return None
+    budget = {"tokens": a.kv_budget, "block_size": a.view_block_size or 32,
+              "draft_cache": a.view_draft_cache}
+    if a.memory:
+        try:
+            chunk, slots = (int(x) for x in a.memory.split(":"))
+        except ValueError:
+            raise KVShotError(f"--memory takes CHUNK_TOKENS:SLOTS, got {a.memory}") from None
+        budget["memory"] = {"chunk_tokens": chunk, "slots": slots, "caches": a.memory_caches}
+    return budget
+
+
 def cmd_train(a: argparse.Namespace) -> None:
     from kvshot_vllm.training.pipeline import train, train_config
     from kvshot_vllm.training.ship import COMMAND_FILE
 
     cfg = train_config(a.preset, steps=a.steps, batch_size=a.batch_size, lr=a.lr,
                        draft_vocab_size=a.draft_vocab_size, checkpoint_every=a.checkpoint_every,
-                       snapshot_every=a.snapshot_every, multi_view=_multi_view(a))
+                       snapshot_every=a.snapshot_every, multi_view=_multi_view(a),
+                       objective=a.objective, train=a.train_only)
     data_dir, target, dataset = _training_inputs(a)
     linear = "-linear" if a.kv_projection == "linear" else ""
     name = a.name or f"{a.paradigm}-{a.num_layers}L{linear}-{a.preset}"
@@ -193,7 +212,7 @@ def cmd_train(a: argparse.Namespace) -> None:
     live = (a.features or ("cached" if device == "cpu" else "live")) == "live"
     ckpt = train(data_dir, target, dataset, run_dir, cfg, init=Path(a.init) if a.init else None,
                  forward_dtype=a.forward_dtype, device=device, live_features=live,
-                 **_drafter_options(a))
+                 kv_budget=_kv_budget(a), **_drafter_options(a))
     print(f"checkpoint: {ckpt}")
     print(f"serve: vllm serve {target} --speculative-config "
           f"'{{\"method\": \"eagle3\", \"model\": \"{ckpt}\", \"num_speculative_tokens\": 3}}'")
@@ -441,12 +460,28 @@ def build_parser() -> argparse.ArgumentParser:
                    "a sparse view of the target's K/V, its budget drawn from these (default "
                    "256:0.4 512:0.3 1024:0.2 2048:0.1), aligned with the full view by KL "
                    "(weight 0.5)")
+    p.add_argument("--kv-budget", type=int, metavar="TOKENS",
+                   help="train the drafter under a streaming view of this many verified keys "
+                   "(`kv_budget`), the view it will be served with")
+    p.add_argument("--memory", metavar="CHUNK:SLOTS",
+                   help="with --kv-budget: summarise each left-out chunk of CHUNK keys in SLOTS "
+                   "learned memory slots (compressed draft memory, issue 16)")
+    p.add_argument("--memory-caches", choices=["target", "draft", "both"], default="target",
+                   help="which caches the memory summarises: the target's (cross-attention; "
+                   "default), the drafter's own (needs --view-draft-cache), or both")
+    p.add_argument("--objective", choices=["ttt", "distill"],
+                   help="ttt (default): cross-entropy against the target's tokens; distill: KL "
+                   "of the drafter under its --kv-budget view from its own full-view chain "
+                   "(needs --train-only memory)")
+    p.add_argument("--train-only", choices=["all", "memory"],
+                   help="memory: train only the memory adaptors of an --init drafter")
     p.add_argument("--view-block-size", type=int,
-                   help="multi-view: the cache block size views are cut in (default 32, the "
-                   "smallest vLLM's CPU build takes; serve with the same --block-size)")
+                   help="multi-view and --kv-budget: the cache block size views are cut in "
+                   "(default 32, the smallest vLLM's CPU build takes; serve with the same "
+                   "--block-size)")
     p.add_argument("--view-draft-cache", action="store_true",
-                   help="multi-view: the views also cover the drafter's own self-attention "
-                   "cache (a hybrid's EAGLE-3 layer)")
+                   help="multi-view and --kv-budget: the views also cover the drafter's own "
+                   "self-attention cache (a hybrid's EAGLE-3 layer)")
     p.add_argument("--name", help="run name (default: PARADIGM-NL-PRESET)")
     p.add_argument("--out", help="run directory (default: DATA_DIR/runs/NAME)")
     p.set_defaults(func=cmd_train)

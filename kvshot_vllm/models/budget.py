@@ -15,6 +15,12 @@ copied (`serving/backend.py`), and training masks exactly the same keys
 With `draft_cache`, a hybrid's EAGLE-3 self-attention reads the same view of its own cache (the
 drafter's keys of the verified positions), as BudgetDraft budgets its drafter's cache: then no
 read of a draft step grows with the prefix.
+
+With a `memory` (issue 16, memory-augmented drafting), what the view leaves out is not dropped
+but summarised: each whole chunk of left-out keys becomes a few learned memory slots
+(`memory.ChunkMemory`), so a draft step reads the sink, the memory and an exact recent window.
+Only whole chunks are summarised; the blocks of a chunk not yet wholly left out stay in the exact
+window, which is therefore between `tokens` and `tokens + chunk_tokens - block_size` keys long.
 """
 
 from __future__ import annotations
@@ -23,6 +29,25 @@ from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class CompressedMemory(BaseModel):
+    """The `memory` of a view: each chunk of `chunk_tokens` left-out keys as `slots` summaries."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    chunk_tokens: int = Field(64, gt=0)
+    slots: int = Field(4, gt=0)
+    # which caches are summarised: the target's (read by cross-attention), the drafter's own
+    # (with `draft_cache`), or both; a cache not summarised is a plain streaming view
+    caches: Literal["target", "draft", "both"] = "target"
+
+    @model_validator(mode="after")
+    def _compresses(self) -> "CompressedMemory":
+        if self.slots >= self.chunk_tokens:
+            raise ValueError(f"slots {self.slots} must be fewer than chunk_tokens "
+                             f"{self.chunk_tokens}: a memory compresses")
+        return self
 
 
 class KVBudget(BaseModel):
@@ -40,6 +65,8 @@ class KVBudget(BaseModel):
     block_size: int = Field(gt=0)
     # also view the drafter's own self-attention cache (a hybrid's EAGLE-3 layer)
     draft_cache: bool = False
+    # summarise the left-out keys instead of dropping them (None: dropped)
+    memory: CompressedMemory | None = None
 
     @model_validator(mode="after")
     def _whole_blocks(self) -> "KVBudget":
@@ -54,7 +81,27 @@ class KVBudget(BaseModel):
         if self.tokens - self.sink_tokens < 2 * self.block_size:
             raise ValueError(f"tokens {self.tokens} leave less than two blocks of "
                              f"{self.block_size} after the sink ({self.sink_tokens})")
+        if self.memory is not None and self.memory.chunk_tokens % self.block_size:
+            raise ValueError(f"memory.chunk_tokens {self.memory.chunk_tokens} is not a multiple "
+                             f"of block_size {self.block_size}: a chunk is whole cache blocks")
+        if self.memory is not None and self.memory.caches != "target" and not self.draft_cache:
+            raise ValueError(f"memory.caches {self.memory.caches!r} summarises the drafter's own "
+                             f"cache, which only a view with draft_cache reads")
         return self
+
+    def of_cache(self, target: bool) -> "KVBudget | None":
+        """What this view reads of the target's cache (target) or of the drafter's own: None
+        where it reads all of it (the drafter's own without `draft_cache`), without the memory
+        where the memory does not summarise that cache."""
+        if not target and not self.draft_cache:
+            return None
+        if self.memory is None or self.memory.caches in ("both", "target" if target else "draft"):
+            return self
+        return self.model_copy(update={"memory": None})
+
+    def summarises(self, target: bool) -> bool:
+        view = self.of_cache(target)
+        return view is not None and view.memory is not None
 
     @property
     def sink_blocks(self) -> int:
@@ -67,9 +114,21 @@ class KVBudget(BaseModel):
 
 def left_out_blocks(verified: torch.Tensor, budget: KVBudget) -> torch.Tensor:
     """Blocks left out of view right after the sink, per request: the view of V verified keys
-    is blocks [0, sink) and [sink + gap, ...). verified [...] long -> gap [...] long."""
+    is blocks [0, sink) and [sink + gap, ...). verified [...] long -> gap [...] long. With a
+    memory, whole chunks only (`memory_chunks` of them, each summarised)."""
     last = (verified - 1).div(budget.block_size, rounding_mode="floor")
-    return (last - budget.window_blocks + 1 - budget.sink_blocks).clamp(min=0)
+    gap = (last - budget.window_blocks + 1 - budget.sink_blocks).clamp(min=0)
+    if budget.memory is None:
+        return gap
+    chunk = budget.memory.chunk_tokens // budget.block_size
+    return gap.div(chunk, rounding_mode="floor") * chunk
+
+
+def memory_chunks(verified: torch.Tensor, budget: KVBudget) -> torch.Tensor:
+    """How many chunks after the sink are summarised in the memory of V verified keys: those
+    left out of the exact view. verified [...] long -> [...] long."""
+    chunk = budget.memory.chunk_tokens // budget.block_size
+    return left_out_blocks(verified, budget).div(chunk, rounding_mode="floor")
 
 
 def visible_keys(verified: torch.Tensor, num_keys: int, budget: KVBudget) -> torch.Tensor:
@@ -87,3 +146,14 @@ def view_block_table(block_table: torch.Tensor, gap: torch.Tensor, budget: KVBud
     index = torch.arange(width, device=block_table.device).expand_as(block_table)
     source = torch.where(index < budget.sink_blocks, index, index + gap.unsqueeze(1).to(index))
     return block_table.gather(1, source.clamp(max=width - 1))
+
+
+def kept_keys(budget: KVBudget | None, verified: int) -> tuple[int, int]:
+    """(exact keys in view, memory slots) a draft step reads of one cache holding V verified
+    keys; without a view, all of them."""
+    if budget is None:
+        return verified, 0
+    v = torch.tensor([verified])
+    exact = int(visible_keys(v, verified, budget).sum())
+    slots = int(memory_chunks(v, budget)) * budget.memory.slots if budget.memory else 0
+    return exact, slots

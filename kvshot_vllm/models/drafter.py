@@ -29,10 +29,11 @@ import torch
 import torch.nn as nn
 
 from kvshot_vllm.errors import KVShotError
-from kvshot_vllm.models.budget import KVBudget
+from kvshot_vllm.models.budget import CompressedMemory, KVBudget, kept_keys
 from kvshot_vllm.models.config import (DrafterConfig, TargetSpec, check_fits_target,
                                        load_drafter_config)
 from kvshot_vllm.models.layers import RMSNorm, SelectiveScan, draft_attention, rotate
+from kvshot_vllm.models.memory import ChunkMemory
 from kvshot_vllm.models.parallel import ColumnParallel, RowParallel, local_heads, shard_weights
 from kvshot_vllm.models.weights import check_drafter_weights, target_spec, verify_checkpoint
 
@@ -43,6 +44,8 @@ class ChainKV:
 
     ctx: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # self-attention: step-0 keys
     diag: list[list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)
+    # per group: the compressed memory of the context (a view with a memory), made once
+    memory: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 @dataclass
@@ -97,10 +100,14 @@ class DraftAttention(nn.Module):
     of later steps. groups = S: KVShot's head_concat cross-attention, group s attending the
     cached K/V of target layer `target_layers[s]`; the drafter's own keys of every step join as
     the chain's tail.
+
+    With `memory`, the adaptor (`memory.ChunkMemory`, checkpoint names memory.*) that summarises
+    the context a view leaves out, for views with that memory.
     """
 
     def __init__(self, in_size: int, target: TargetSpec, groups: int = 1,
-                 target_layers: list[int] | None = None) -> None:
+                 target_layers: list[int] | None = None,
+                 memory: CompressedMemory | None = None) -> None:
         super().__init__()
         # heads and KV heads of this tensor-parallel rank (all of them on one rank)
         self.groups, self.head_dim = groups, target.head_dim
@@ -113,6 +120,8 @@ class DraftAttention(nn.Module):
         self.k_proj = ColumnParallel(in_size, kv_size, groups)
         self.v_proj = ColumnParallel(in_size, kv_size, groups)
         self.o_proj = RowParallel(q_size, target.hidden_size, groups)
+        self.memory = (ChunkMemory(groups * self.kv_heads, self.head_dim, memory)
+                       if memory is not None else None)
 
     def target_context(self, target_kv: list[tuple[torch.Tensor, torch.Tensor]], rope: "Rope"
                        ) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -123,8 +132,8 @@ class DraftAttention(nn.Module):
                 ctx: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
                 view: KVBudget | None = None) -> torch.Tensor:
         """x [B, T, in] -> [B, T, hidden]. `ctx`: target K/V per group (cross-attention), or None
-        for self-attention (the step-0 keys); `view`: the part of that context in view
-        (`budget.py`), None: all."""
+        for self-attention (the step-0 keys); `view`: the drafter's view (`budget.py`), of which
+        this attention reads its cache's part; None: all."""
         b, t, _ = x.shape
         cos, sin = rope
         q = rotate(self.q_proj(x).view(b, t, self.groups * self.heads, self.head_dim), cos, sin)
@@ -137,9 +146,28 @@ class DraftAttention(nn.Module):
         else:
             chain.diag.append(own)
         ctx = ctx if ctx is not None else chain.ctx
-        outs = [draft_attention(qs[g], ctx[g], [step[g] for step in chain.diag], view)
+        view = view.of_cache(target=self.target_layers is not None) if view else None
+        memory = self.chain_memory(ctx, chain, view)
+        outs = [draft_attention(qs[g], ctx[g], [step[g] for step in chain.diag], view, memory[g])
                 for g in range(self.groups)]
         return self.o_proj(torch.cat(outs, dim=-1))
+
+    def chain_memory(self, ctx: list[tuple[torch.Tensor, torch.Tensor]], chain: ChainKV,
+                     view: KVBudget | None) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """Per group, the memory of the context after the sink that `view` reads (None: a
+        view without memory): compressed at the chain's first use, as a served drafter holds
+        it before it drafts."""
+        if view is None or view.memory is None:
+            return [None] * self.groups
+        if self.memory is None or (self.memory.chunk, self.memory.slots) != (
+                view.memory.chunk_tokens, view.memory.slots):
+            raise KVShotError(f"a view with memory {view.memory.model_dump()} needs a drafter "
+                              f"trained with that memory (kv_budget.memory)")
+        if chain.memory is None:
+            k, v = (torch.cat(z, dim=1)[:, :, view.sink_tokens:] for z in zip(*ctx))
+            k_mem, v_mem = self.memory(k, v)
+            chain.memory = list(zip(k_mem.chunk(self.groups, 1), v_mem.chunk(self.groups, 1)))
+        return chain.memory
 
 
 class LinearKVAttention(DraftAttention):
@@ -150,8 +178,8 @@ class LinearKVAttention(DraftAttention):
     in place."""
 
     def __init__(self, in_size: int, target: TargetSpec, target_layers: list[int],
-                 reapply_rope: bool) -> None:
-        super().__init__(in_size, target, groups=1, target_layers=target_layers)
+                 reapply_rope: bool, memory: CompressedMemory | None = None) -> None:
+        super().__init__(in_size, target, groups=1, target_layers=target_layers, memory=memory)
         kv = target.num_kv_heads * target.head_dim
         self.k_merge = nn.Linear(len(target_layers) * kv, kv, bias=False)
         self.v_merge = nn.Linear(len(target_layers) * kv, kv, bias=False)
@@ -201,14 +229,22 @@ class OfflineAttention:
     def __init__(self, cfg: DrafterConfig) -> None:
         self.cfg = cfg
 
+    def _memory(self, target: bool) -> CompressedMemory | None:
+        """The memory adaptor's config of an attention over the target's cache or the drafter's
+        own, where the drafter's view summarises that cache."""
+        budget = self.cfg.kv_budget
+        return budget.memory if budget is not None and budget.summarises(target) else None
+
     def self_attention(self, in_size: int, layer: int) -> DraftAttention:
-        return DraftAttention(in_size, self.cfg.target)
+        return DraftAttention(in_size, self.cfg.target, memory=self._memory(target=False))
 
     def cross_attention(self, in_size: int, target_layers: list[int]) -> DraftAttention:
+        memory = self._memory(target=True)
         if self.cfg.kv_projection == "linear":
             return LinearKVAttention(in_size, self.cfg.target, target_layers,
-                                     self.cfg.reapply_rope)
-        return DraftAttention(in_size, self.cfg.target, len(target_layers), target_layers)
+                                     self.cfg.reapply_rope, memory)
+        return DraftAttention(in_size, self.cfg.target, len(target_layers), target_layers,
+                              memory)
 
 
 class OfflineContext:
@@ -232,7 +268,7 @@ class OfflineContext:
     def attend(self, attn: DraftAttention, x: torch.Tensor) -> torch.Tensor:
         chain, view = self.chains[attn], self.drafter.view
         if attn.target_layers is None:
-            return attn(x, self.self_rope, chain, view=view if view and view.draft_cache else None)
+            return attn(x, self.self_rope, chain, view=view)
         ctx = attn.target_context([self.feats.target_kv[i] for i in attn.target_layers],
                                   self.drafter.rope)
         return attn(x, self.cross_rope, chain, ctx=ctx, view=view)
@@ -300,6 +336,21 @@ class Drafter(nn.Module):
             yield
         finally:
             self.view = kept
+
+    def draft_side_bytes(self, prefix: int, dtype_bytes: int = 2) -> int:
+        """The K/V bytes a request's prefix of `prefix` verified tokens needs on the drafter's
+        side under its view: each self-attention's own cache (all of it, or the view's exact
+        keys plus memory slots, where a served view frees what it leaves out) and the memory
+        slots of each summarised target cache (whose exact keys are read in place)."""
+        total = 0
+        for m in self.modules():
+            if not isinstance(m, DraftAttention):
+                continue
+            target = m.target_layers is not None
+            exact, slots = kept_keys(self.view.of_cache(target) if self.view else None, prefix)
+            held = slots if target else exact + slots
+            total += held * 2 * m.groups * m.kv_heads * m.head_dim * dtype_bytes  # K and V
+        return total
 
     def new_chains(self) -> dict[nn.Module, ChainKV | ScanState]:
         return {m: ChainKV() if isinstance(m, DraftAttention) else ScanState()

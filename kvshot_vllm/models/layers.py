@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kvshot_vllm.models.budget import KVBudget, visible_keys
+from kvshot_vllm.models.budget import KVBudget, memory_chunks, visible_keys
 from kvshot_vllm.models.parallel import ColumnParallel, RowParallel
 
 
@@ -63,7 +63,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 def draft_attention(q: torch.Tensor, ctx: tuple[torch.Tensor, torch.Tensor],
                     diag: list[tuple[torch.Tensor, torch.Tensor]],
-                    budget: KVBudget | None = None) -> torch.Tensor:
+                    budget: KVBudget | None = None,
+                    memory: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Attention of one draft step, for every row of a sequence at once.
 
     Row p attends the context keys of rows 0..p (`ctx`: the target's cached K/V, or the
@@ -76,9 +77,11 @@ def draft_attention(q: torch.Tensor, ctx: tuple[torch.Tensor, torch.Tensor],
     computed for more rows are cut to the same last R.
 
     With a `budget`, row p sees only the context keys in the view of its p + 1 verified keys
-    (`budget.py`); its chain's keys are always in view.
+    (`budget.py`); its chain's keys are always in view. With the budget's memory, it also sees
+    the `memory` slots of the chunks its view leaves out.
 
-    q: [B, R, H, d]; ctx k, v: [B, KVH, T, d]; diag: list of (k, v) each [B, >= R, KVH, d].
+    q: [B, R, H, d]; ctx k, v: [B, KVH, T, d]; diag: list of (k, v) each [B, >= R, KVH, d];
+    memory k, v: [B, KVH, M, d], `slots` per chunk after the sink (`memory.ChunkMemory`).
     Returns [B, R, H * d].
     """
     b, r, h, d = q.shape
@@ -93,11 +96,23 @@ def draft_attention(q: torch.Tensor, ctx: tuple[torch.Tensor, torch.Tensor],
         verified = torch.arange(t - r + 1, t + 1, device=q.device)
         future |= ~visible_keys(verified, t, budget)
     scores = scores.masked_fill(future, float("-inf"))
+    keys, values = [scores], [ctx_v]
+    if memory is not None:
+        mem_k, mem_v = memory
+        chunk = torch.arange(mem_k.shape[2], device=q.device) // budget.memory.slots
+        hidden = chunk >= memory_chunks(verified, budget).unsqueeze(-1)  # [R, M]
+        keys.append(torch.einsum("bkgrd,bksd->bkgrs", qg, mem_k).mul(scale)
+                    .masked_fill(hidden, float("-inf")))
+        values.append(mem_v)
     own = [torch.einsum("bkgrd,brkd->bkgr", qg, k).unsqueeze(-1) * scale for k, _ in diag]
-    probs = torch.softmax(torch.cat([scores, *own], dim=-1).float(), dim=-1).to(q.dtype)
-    out = torch.einsum("bkgrs,bksd->bkgrd", probs[..., :t], ctx_v)
+    probs = torch.softmax(torch.cat([*keys, *own], dim=-1).float(), dim=-1).to(q.dtype)
+    out, start = 0, 0
+    for key, value in zip(keys, values):
+        out = out + torch.einsum("bkgrs,bksd->bkgrd", probs[..., start:start + key.shape[-1]],
+                                 value)
+        start += key.shape[-1]
     for i, (_, v) in enumerate(diag):
-        out = out + probs[..., t + i, None] * v.permute(0, 2, 1, 3).unsqueeze(2)
+        out = out + probs[..., start + i, None] * v.permute(0, 2, 1, 3).unsqueeze(2)
     return out.permute(0, 3, 1, 2, 4).reshape(b, r, h * d)
 
 

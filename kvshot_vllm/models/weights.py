@@ -16,6 +16,7 @@ import torch
 
 from kvshot_vllm.errors import KVShotError
 from kvshot_vllm.models.config import DrafterConfig, TargetSpec, validated
+from kvshot_vllm.models.memory import stretch_bias
 
 
 def expected_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
@@ -43,8 +44,9 @@ def expected_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
 
 def init_weights(cfg: DrafterConfig, seed: int = 0, std: float = 0.02,
                  lm_head: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """Fresh weights: norms at one, the gate at `gate_init`, projections N(0, std); `lm_head`
-    (e.g. the target's, restricted to the draft vocabulary) if given."""
+    """Fresh weights: norms at one, the gate at `gate_init`, projections N(0, std), a memory
+    adaptor as the mean of each slot's stretch; `lm_head` (e.g. the target's, restricted to the
+    draft vocabulary) if given."""
     gen = torch.Generator().manual_seed(seed)
     weights = {}
     for name, shape in expected_shapes(cfg).items():
@@ -61,6 +63,10 @@ def init_weights(cfg: DrafterConfig, seed: int = 0, std: float = 0.02,
             weights[name] = torch.ones(shape)
         elif name == "d2t":
             weights[name] = torch.zeros(shape, dtype=torch.long)
+        elif name.endswith("memory.query"):
+            weights[name] = torch.zeros(shape)
+        elif name.endswith("memory.bias"):
+            weights[name] = stretch_bias(*shape)
         else:
             weights[name] = torch.randn(shape, generator=gen) * std
     if lm_head is not None:

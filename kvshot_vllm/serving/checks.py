@@ -22,3 +22,7 @@ def check_against_target(cfg: DrafterConfig, vllm_config) -> None:
         raise KVShotError("kv_projection 'linear' mixes the K/V of several target layers under "
                           "one softmax and cannot read the paged cache in place; serve a "
                           "head_concat drafter")
+    if budget is not None and budget.memory is not None:
+        raise KVShotError("kv_budget.memory: a compressed draft memory is trained and diagnosed "
+                          "offline (kvshot train / kvshot diagnose) but not served yet; serve "
+                          "the drafter without it (a streaming kv_budget, or none)")

@@ -32,6 +32,7 @@ from kvshot_vllm.training.features import FeatureSet, SplitFeatures
 from kvshot_vllm.training.ttt import chain_predictions, shifted
 
 MIN_CHAINS = 50  # chains a step needs before its a_k is compared or plotted
+PREFIXES = (1024, 4096, 7168)  # prefix lengths of the draft-side memory table (bf16 K/V)
 
 
 @torch.no_grad()
@@ -106,10 +107,11 @@ def diagnose(checkpoints: dict[str, Path], target_dir: Path, features: FeatureSe
         for label, view in own:
             with drafter.viewing(view) if view else nullcontext():
                 acceptance = stepwise_acceptance(drafter, features, steps, progress=progress)
+                held = {str(n): drafter.draft_side_bytes(n) for n in PREFIXES}
+                read = drafter.view.model_dump() if drafter.view else None
             results[label] = {"checkpoint": str(ckpt), "paradigm": drafter.cfg.paradigm,
-                              "num_layers": drafter.cfg.num_layers,
-                              "view": view.model_dump() if view else None, **acceptance,
-                              "training": training_stats(ckpt)}
+                              "num_layers": drafter.cfg.num_layers, "view": read, **acceptance,
+                              "draft_side_bytes": held, "training": training_stats(ckpt)}
     return results
 
 
@@ -156,6 +158,7 @@ def report_lines(results: dict, command: str) -> list[str]:
               "|" + "---|" * (steps + 1)]
     lines += [f"| {name} | " + " | ".join(str(n) for n in r["alive"]) + " |"
               for name, r in results.items()]
+    lines += draft_memory_lines(results)
     gates = {n: r["training"]["gate"] for n, r in results.items()
              if r["training"] and r["training"]["gate"]}
     if gates:
@@ -176,6 +179,31 @@ def report_lines(results: dict, command: str) -> list[str]:
             lines.append(f"| {name} | " + " | ".join(
                 f"{g[k]:.2e}" if k in g else "-"
                 for k in ("self.q", "self.kv", "cross.q", "cross.kv")) + " |")
+    return lines
+
+
+def draft_memory_lines(results: dict) -> list[str]:
+    """The draft-side K/V a request holds for its prefix, per drafter and view, against the
+    first drafter's, where any drafter holds some."""
+    held = {n: r["draft_side_bytes"] for n, r in results.items() if r.get("draft_side_bytes")}
+    if not any(any(h.values()) for h in held.values()):
+        return []
+    base_name = next(iter(results))
+    base = held.get(base_name, {})
+    prefixes = sorted({int(p) for h in held.values() for p in h})
+    lines = ["", "Draft-side K/V per request for its prefix (bf16): the drafter's own cache (all "
+             "of it, or its view's exact keys plus memory slots) and the memory slots of "
+             "summarised target caches, whose exact keys are read in place. A served streaming "
+             "view does not free the keys it leaves out yet: this is what it would hold if it "
+             f"did. In brackets: against {base_name}.", "",
+             "| drafter | " + " | ".join(f"{p} tokens" for p in prefixes) + " |",
+             "|" + "---|" * (len(prefixes) + 1)]
+    for name, h in held.items():
+        cells = []
+        for p in map(str, prefixes):
+            cut = f" ({h[p] / base[p] - 1:+.0%})" if base.get(p) and name != base_name else ""
+            cells.append(f"{h[p] / 1024:.0f} KiB{cut}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
 
 

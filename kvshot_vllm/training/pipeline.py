@@ -78,7 +78,10 @@ def train(data_dir: Path, target_dir: Path, dataset: Path, run_dir: Path, cfg: T
                             live=live_features)
     trainer = Trainer(run_dir, dcfg, cfg, target_dir, features, init=init, device=device)
     if trainer.fresh is not None:
-        print(f"warm start from {init}: fresh {', '.join(sorted({n.split('.')[0] for n in trainer.fresh})) or 'nothing'}")
+        # modules by their top name, a memory adaptor by its own (it may sit inside a layer)
+        fresh = {n[: n.index(".memory.") + 7] if ".memory." in n else n.split(".")[0]
+                 for n in trainer.fresh}
+        print(f"warm start from {init}: fresh {', '.join(sorted(fresh)) or 'nothing'}")
     return trainer.train(progress=progress)
 
 

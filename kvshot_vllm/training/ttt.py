@@ -23,6 +23,7 @@ import math
 import signal
 import time
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -100,6 +101,20 @@ class TrainConfig(BaseModel):
     seed: int = 0
     multi_view: MultiView | None = Field(None, description="also train sparse views of the "
                                          "target's K/V (`MultiView`)")
+    objective: Literal["ttt", "distill"] = Field(
+        "ttt", description="ttt: cross-entropy against the target's tokens; distill: KL of the "
+        "chain under the drafter's kv_budget (with a memory) from the same drafter's chain over "
+        "the full K/V, the teacher (issue 16)")
+    train: Literal["all", "memory"] = Field(
+        "all", description="memory: only the memory adaptors learn; the rest stays as the "
+        "warm start gave it (and the full-view teacher of `distill` with it)")
+
+    @model_validator(mode="after")
+    def _distill_memory_only(self) -> "TrainConfig":
+        if self.objective == "distill" and self.train != "memory":
+            raise ValueError("objective 'distill' trains the memory adaptor against the drafter's "
+                             "own full view, which must stay fixed: set train 'memory'")
+        return self
 
 
 # Sized for the embedded default on 2 CPU cores: quick for the demo and tests (minutes); full
@@ -159,11 +174,20 @@ def ttt_loss(drafter: Drafter, feats: TargetFeatures, labels: torch.Tensor,
 
     With a sparse `view` (multi-view training), plus `cfg.multi_view.weight` times the
     step-weighted KL divergence of the chain under that view from the full view's, whose
-    distribution is the teacher (no gradient through it)."""
+    distribution is the teacher (no gradient through it). With `cfg.objective` distill, that
+    divergence alone, of the drafter's own view from its full view."""
+    all_rows = not cfg.loss_rows_only
+    if cfg.objective == "distill":
+        with torch.no_grad(), drafter.viewing(None):
+            teacher = [p[0] for p in chain_predictions(drafter, feats, labels, trainable,
+                                                       cfg.ttt_steps, all_rows)]
+        student = chain_predictions(drafter, feats, labels, trainable, cfg.ttt_steps, all_rows)
+        accs = [hit[mask].float().mean().item() if mask.any() else float("nan")
+                for _, _, hit, mask in student]
+        return chain_kl(student, teacher, cfg), accs
     total, weights, accs, full = 0.0, 0.0, [], []
     for j, (logits, target, hit, mask) in enumerate(
-            chain_predictions(drafter, feats, labels, trainable, cfg.ttt_steps,
-                              all_rows=not cfg.loss_rows_only)):
+            chain_predictions(drafter, feats, labels, trainable, cfg.ttt_steps, all_rows)):
         draft_label = t2d[target]
         keep = draft_label >= 0
         if keep.any():
@@ -175,16 +199,23 @@ def ttt_loss(drafter: Drafter, feats: TargetFeatures, labels: torch.Tensor,
     loss = total / max(weights, 1e-9)
     if view is None:
         return loss, accs
-    kl = 0.0
     with drafter.viewing(view):
-        sparse = chain_predictions(drafter, feats, labels, trainable, cfg.ttt_steps,
-                                   all_rows=not cfg.loss_rows_only)
-    for j, ((logits, *_), teacher) in enumerate(zip(sparse, full)):
+        sparse = chain_predictions(drafter, feats, labels, trainable, cfg.ttt_steps, all_rows)
+    return loss + cfg.multi_view.weight * chain_kl(sparse, full, cfg), accs
+
+
+def chain_kl(student: list, teacher: list[torch.Tensor], cfg: TrainConfig) -> torch.Tensor:
+    """Step-weighted KL divergence of a chain's draft distributions (`chain_predictions`) from
+    the teacher's logits of the same rows, no gradient through the teacher; averaged over the
+    weights of the steps that have rows."""
+    kl, weights = 0.0, 0.0
+    for j, ((logits, *_), target) in enumerate(zip(student, teacher)):
         if len(logits):
             kl = kl + cfg.step_weight**j * F.kl_div(
-                F.log_softmax(logits.float(), -1), F.log_softmax(teacher.detach().float(), -1),
+                F.log_softmax(logits.float(), -1), F.log_softmax(target.detach().float(), -1),
                 log_target=True, reduction="batchmean")
-    return loss + cfg.multi_view.weight * kl / max(weights, 1e-9), accs
+            weights += cfg.step_weight**j
+    return kl / max(weights, 1e-9)
 
 
 # ----------------------------------------------------------------------------- vocabulary
@@ -319,6 +350,13 @@ class Trainer:
         if cfg.multi_view and cfg.multi_view.draft_cache:  # a view the drafter can be served with
             validated({**drafter_cfg.model_dump(), "kv_budget": cfg.multi_view.draw(0, 0)},
                       "multi-view")
+        has_memory = drafter_cfg.kv_budget is not None and drafter_cfg.kv_budget.memory
+        if cfg.train == "memory" and not has_memory:
+            raise KVShotError("train 'memory': the drafter has no memory adaptor to train (give "
+                              "it a kv_budget with a memory)")
+        if cfg.train == "memory" and init is None:
+            raise KVShotError("train 'memory': the rest of the drafter stays as it is, so warm "
+                              "start it from a trained checkpoint (--init)")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         run = {"drafter": drafter_cfg.model_dump(mode="json"), "train": cfg.model_dump(),
                "features": str(features.path.resolve()), "target": str(Path(target_dir).resolve()),
@@ -345,8 +383,11 @@ class Trainer:
         # The run's state is device-free (state.pt loads anywhere): a run may resume on another.
         self.drafter.to(self.device)
         self.t2d = self.t2d.to(self.device)
-        self.opt = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.lr,
-                                     weight_decay=cfg.weight_decay)
+        if cfg.train == "memory":
+            for name, p in self.drafter.named_parameters():
+                p.requires_grad_(".memory." in f".{name}")
+        self.opt = torch.optim.AdamW([p for p in self.drafter.parameters() if p.requires_grad],
+                                     lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.step = 0
         self.state_file = self.run_dir / "state.pt"
         if self.state_file.exists():
