@@ -91,11 +91,12 @@ def cmd_data_prepare(a: argparse.Namespace) -> None:
         num_prompts=a.num_prompts, num_heldout=num_heldout, max_new_tokens=a.max_new_tokens,
         max_prompt_tokens=a.max_prompt_tokens, max_turns=a.max_turns,
         temperature=a.temperature, seed=a.seed, chunk_size=a.chunk_size, dtype=a.dtype,
-        enforce_eager=not a.compiled, engine=a.engine,
+        enforce_eager=not a.compiled, engine=a.engine, long_prefix=a.long,
     )
     args.validate()  # before anything slow, and before the target must exist
     data_dir, target = _target_arg(a)
-    out = Path(a.out) if a.out else data_dir / "datasets" / f"sharegpt-{target.name}"
+    name = f"long-{a.long}-{target.name}" if a.long else f"sharegpt-{target.name}"
+    out = Path(a.out) if a.out else data_dir / "datasets" / name
     report = prepare_data(target, data_dir, out, args, workers=a.workers, source=a.sharegpt)
     print(f"data: {out} (train {report.counts['train']}, heldout {report.counts['heldout']})")
     if report.generated_prompts:
@@ -363,7 +364,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_data_dir(p)
     _add_target(p)
-    p.add_argument("--out", help="output directory (default: DATA_DIR/datasets/sharegpt-TARGET)")
+    p.add_argument("--out", help="output directory (default: DATA_DIR/datasets/sharegpt-TARGET, "
+                   "with --long DATA_DIR/datasets/long-TOKENS-TARGET)")
+    p.add_argument("--long", type=int, metavar="TOKENS",
+                   help="the long-context workload: prompts of about TOKENS tokens, half "
+                   "standard-library modules to continue, half ShareGPT histories up to a user "
+                   "turn (one data set per prefix bucket, e.g. 1024 2048 4096 7168)")
     p.add_argument("--sharegpt", help="a ShareGPT JSON file instead of the packaged one")
     p.add_argument("--num-prompts", type=int, default=200, help="training prompts (default 200)")
     p.add_argument("--num-heldout", type=int, help="held-out prompts (default num-prompts/8)")

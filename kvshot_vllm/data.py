@@ -10,6 +10,10 @@ earlier assistant turn is the target's own regenerated reply (the original repli
 used), so that the drafter trains on the contexts it will be served in. Turns are generated in
 rounds: every conversation's turn 1, then every turn 2, ...
 
+Long-context workload (`--long TOKENS`, issue 15): one bucket of prompts of about TOKENS tokens,
+standard-library modules to continue and ShareGPT histories up to a user turn (there with the
+original replies: `history_prompts`); the reply to each is the target's own.
+
 Engine settings decide the tokens: bf16 greedy replies differ between kernel paths and CPUs
 (README, "CPU notes"). The settings read back from the engine and the CPU's ISA are recorded
 (`engine.json`, and in the manifest) and a resumed run with other ones is refused.
@@ -145,6 +149,8 @@ class PrepareArgs:
     dtype: str | None = None
     enforce_eager: bool = True
     engine: str = "vllm"  # or "transformers" (`TransformersRegenerator`)
+    # Long-context workload (issue 15): every prompt about this many tokens (`long_prompts`)
+    long_prefix: int | None = None
 
     def validate(self) -> None:
         if self.engine not in ("vllm", "transformers"):
@@ -162,6 +168,12 @@ class PrepareArgs:
             raise KVShotError(f"--max-turns must be at least 1, got {self.max_turns}")
         if self.chunk_size < 1:
             raise KVShotError(f"--chunk-size must be at least 1, got {self.chunk_size}")
+        if self.long_prefix is not None:
+            if self.long_prefix < 256:
+                raise KVShotError(f"--long must be at least 256 tokens, got {self.long_prefix}")
+            if self.max_turns != 1:
+                raise KVShotError("--long answers one prompt per history or document: "
+                                  "--max-turns must be 1")
 
 
 @dataclass
@@ -282,6 +294,68 @@ def long_document_prompts(tokenizer: Any, prefix_tokens: int, count: int,
         if len(prompts) == count:
             break
     return prompts
+
+
+def whole_conversations(source: Path, stats: SourceStats) -> Iterator[tuple[str, list[dict]]]:
+    """(base id, turns) of every conversation, its `_N` parts (ShareGPT cut long ones up, and
+    keeps the parts in order) joined again."""
+    base, turns = None, []
+    for item in iter_sharegpt(source, stats):
+        part_of = item["id"].rsplit("_", 1)[0]
+        if part_of != base:
+            if base is not None:
+                yield base, turns
+            base, turns = part_of, []
+        turns += item["conversations"]
+    if base is not None:
+        yield base, turns
+
+
+def history_prompts(source: Path, tokenizer: Any, prefix_tokens: int, count: int, split: str,
+                    stats: SourceStats) -> list[Selected]:
+    """`count` prompts of 3/4 to all of `prefix_tokens` tokens: a ShareGPT conversation up to
+    its latest user turn that fits, the history with its original replies (regenerating
+    thousands of tokens of history turn by turn would cost hours per prompt), the reply to that
+    turn the target's own. In file order, from the conversations of `split`."""
+    role = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant"}
+    prompts = []
+    for conversation, turns in whole_conversations(source, stats):
+        if len(prompts) == count:
+            break
+        if split_of(conversation) != split:
+            continue
+        messages = []
+        for turn in turns:
+            r, text = role.get(turn["from"]), (turn["value"] or "").strip()
+            if r != ("user" if len(messages) % 2 == 0 else "assistant") or not text:
+                break
+            messages.append({"role": r, "content": text})
+        # about 3 characters a token at least: skip what cannot reach the bucket untokenized
+        if sum(len(m["content"]) for m in messages) < prefix_tokens * 3 * 3 // 4:
+            continue
+        best = None
+        for end in range(1, len(messages) + 1, 2):  # prompts end on a user turn
+            ids = chat_prompt(tokenizer, messages[:end])
+            if len(ids) > prefix_tokens:
+                break
+            best = (end, ids)
+        if best is not None and len(best[1]) >= prefix_tokens * 3 // 4:
+            end, ids = best
+            prompts.append(Selected(conversation, (end + 1) // 2, split, messages[:end], ids))
+    return prompts
+
+
+def long_prompts(source: Path, tokenizer: Any, args: PrepareArgs,
+                 stats: SourceStats) -> dict[str, list[Selected]]:
+    """The long-context workload of one prefix bucket (`args.long_prefix`), per split: up to
+    half standard-library modules to continue (`long_document_prompts`), the rest ShareGPT
+    histories (`history_prompts`)."""
+    out = {}
+    for split, want in (("train", args.num_prompts), ("heldout", args.num_heldout)):
+        docs = long_document_prompts(tokenizer, args.long_prefix, want // 2, split)
+        out[split] = docs + history_prompts(source, tokenizer, args.long_prefix,
+                                            want - len(docs), split, stats)
+    return out
 
 
 # ------------------------------------------------------------------------- resumable IO
@@ -559,14 +633,23 @@ def prepare_data(
 
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     stats = SourceStats()
-    selection = select_conversations(source, tokenizer, args, stats)
+    if args.long_prefix is not None:
+        context = json.loads((target_dir / "config.json").read_text())["max_position_embeddings"]
+        if args.long_prefix + args.max_new_tokens > context:
+            raise KVShotError(f"--long {args.long_prefix} + --max-new-tokens "
+                              f"{args.max_new_tokens} exceed the target's context of {context}")
+        long = long_prompts(source, tokenizer, args, stats)
+        found = {split: len(prompts) for split, prompts in long.items()}
+        what = f"prompts of about {args.long_prefix} tokens"
+    else:
+        selection = select_conversations(source, tokenizer, args, stats)
+        found = {split: len(convs) for split, convs in selection.items()}
+        what = f"conversations with a first prompt within --max-prompt-tokens " \
+               f"{args.max_prompt_tokens}"
     for split in SPLITS:
         want = args.num_prompts if split == "train" else args.num_heldout
-        if len(selection[split]) < want:
-            raise KVShotError(
-                f"only {len(selection[split])} {split} conversations have a first prompt within "
-                f"--max-prompt-tokens {args.max_prompt_tokens} in {source} (asked for {want})"
-            )
+        if found[split] < want:
+            raise KVShotError(f"only {found[split]} {split} {what} in {source} (asked for {want})")
 
     report = PrepareReport(out_dir)
     engine = None
@@ -579,7 +662,8 @@ def prepare_data(
         for split in SPLITS:
             path = out_dir / f"{split}.jsonl"
             previous = {r["conversation"]: r for r in kept[split] if r["turn"] == turn - 1}
-            plan = chunks(plan_turn(selection[split], turn, previous, tokenizer,
+            plan = chunks(long[split] if args.long_prefix is not None else
+                          plan_turn(selection[split], turn, previous, tokenizer,
                                     args.max_prompt_tokens), args.chunk_size)
             have = on_disk[split][len(kept[split]):]
             done = completed_chunks(have, plan)

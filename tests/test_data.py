@@ -71,6 +71,43 @@ def test_long_document_prompts_reach_their_bucket(target_bf16: Path) -> None:
     assert held_out and all(p.split == "heldout" for p in held_out)
 
 
+def test_history_prompts_join_parts_and_end_on_a_user_turn(target_bf16: Path,
+                                                            tmp_path: Path) -> None:
+    """Long-context histories (issue 15): a conversation's `_N` parts joined again, cut at the
+    latest user turn whose prompt fits the bucket, at least 3/4 of it, split by conversation."""
+    from transformers import AutoTokenizer
+
+    from kvshot_vllm.data import history_prompts
+
+    tok = AutoTokenizer.from_pretrained(target_bf16)
+    word = "lorem ipsum dolor sit amet " * 20  # about 200 tokens a turn
+
+    def turns(n: int, first: str = "human") -> list[dict]:
+        other = {"human": "gpt", "gpt": "human"}
+        out, who = [], first
+        for i in range(n):
+            out.append({"from": who, "value": f"{i} {word}"})
+            who = other[who]
+        return out
+
+    train = [f"conv{i}" for i in range(200) if split_of(f"conv{i}_0") == "train"][:3]
+    items = [{"id": f"{train[0]}_0", "conversations": turns(4)},
+             {"id": f"{train[0]}_1", "conversations": turns(4)},  # joined: 8 turns
+             {"id": f"{train[1]}_0", "conversations": turns(2)},  # too short for the bucket
+             {"id": f"{train[2]}_0", "conversations": turns(9)}]
+    source = tmp_path / "sharegpt.json"
+    source.write_text(json.dumps(items))
+    prompts = history_prompts(source, tok, 1100, 5, "train", SourceStats())
+    assert [p.conversation for p in prompts] == [train[0], train[2]]
+    for p in prompts:
+        assert 825 <= len(p.prompt_token_ids) <= 1100
+        assert p.messages[-1]["role"] == "user" and p.turn == (len(p.messages) + 1) // 2
+        assert p.prompt_token_ids == chat_prompt(tok, p.messages)
+    # the joined conversation's parts: turn 4 (the first of part 1) is its 5th message
+    assert len(prompts[0].messages) == 5 and prompts[0].messages[4]["content"].startswith("0 ")
+    assert history_prompts(source, tok, 1100, 5, "heldout", SourceStats()) == []
+
+
 def test_user_turns_keep_only_an_alternating_start() -> None:
     conv = [{"from": "human", "value": "a"}, {"from": "gpt", "value": "x"},
             {"from": "human", "value": " b "}, {"from": "gpt", "value": "y"},
