@@ -152,6 +152,10 @@ class PrepareArgs:
     # Long-context workload (issue 15): every prompt about this many tokens (`long_prompts`)
     long_prefix: int | None = None
 
+    @property
+    def longest_prompt(self) -> int:
+        return self.long_prefix if self.long_prefix is not None else self.max_prompt_tokens
+
     def validate(self) -> None:
         if self.engine not in ("vllm", "transformers"):
             raise KVShotError(f"unknown engine {self.engine!r}; choose vllm or transformers")
@@ -432,7 +436,7 @@ class Regenerator:
         # one does (bf16 engines do not repeat themselves on every CPU: README, CPU notes).
         overrides = {"dtype": args.dtype} if args.dtype else {}
         self.llm = make_llm(
-            model_dir, Path(data_dir), max_model_len=args.max_prompt_tokens + args.max_new_tokens,
+            model_dir, Path(data_dir), max_model_len=args.longest_prompt + args.max_new_tokens,
             enable_prefix_caching=False, enforce_eager=args.enforce_eager, **overrides,
         )
         self.params = SamplingParams(

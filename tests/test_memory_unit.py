@@ -13,7 +13,7 @@ from kvshot_vllm.models.config import validated
 from kvshot_vllm.models.layers import draft_attention
 from kvshot_vllm.models.memory import ChunkMemory
 from tests.test_config_unit import SMOL
-from tests.test_training_unit import TINY, tiny_drafter, tiny_features
+from tests.test_training_unit import tiny_batch, tiny_drafter, tiny_features
 
 # 1 sink block, 2 window blocks; chunks of 2 blocks, 3 slots each
 MEMORY = KVBudget(tokens=12, sink_tokens=4, block_size=4,
@@ -139,12 +139,7 @@ def test_distillation_trains_only_the_memory_towards_the_full_view() -> None:
     from kvshot_vllm.training.ttt import TrainConfig, ttt_loss
 
     drafter = tiny_drafter("kv", kv_budget=MEMORY.model_dump()).train()
-    t = 40
-    feats = tiny_features(drafter, t)
-    labels = torch.randint(0, TINY.vocab_size, (1, t), generator=torch.Generator().manual_seed(3))
-    trainable = torch.zeros(1, t, dtype=torch.bool)
-    trainable[0, 10:] = True
-    t2d = torch.arange(TINY.vocab_size)
+    feats, labels, trainable, t2d = tiny_batch(drafter)
     cfg = TrainConfig(steps=1, ttt_steps=3, objective="distill", train="memory")
     loss, accs = ttt_loss(drafter, feats, labels, trainable, cfg, t2d)
     assert loss > 0 and len(accs) == 3

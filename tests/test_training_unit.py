@@ -29,6 +29,15 @@ def tiny_drafter(paradigm: str, **options):
     return drafter.eval()
 
 
+def tiny_batch(drafter, t: int = 40):
+    """(features, labels, trainable, t2d) of one tiny sequence whose positions 10.. are
+    scored, over the whole vocabulary."""
+    labels = torch.randint(0, TINY.vocab_size, (1, t), generator=torch.Generator().manual_seed(3))
+    trainable = torch.zeros(1, t, dtype=torch.bool)
+    trainable[0, 10:] = True
+    return tiny_features(drafter, t), labels, trainable, torch.arange(TINY.vocab_size)
+
+
 def tiny_features(drafter, t: int, seed: int = 0) -> TargetFeatures:
     g = torch.Generator().manual_seed(seed)
     cfg = drafter.cfg
@@ -311,12 +320,7 @@ def test_multi_view_loss_adds_the_sparse_views_divergence(paradigm: str) -> None
     from kvshot_vllm.training.ttt import MultiView, ttt_loss
 
     drafter = tiny_drafter(paradigm).train()
-    t = 40
-    feats = tiny_features(drafter, t)
-    labels = torch.randint(0, TINY.vocab_size, (1, t), generator=torch.Generator().manual_seed(3))
-    trainable = torch.zeros(1, t, dtype=torch.bool)
-    trainable[0, 10:] = True
-    t2d = torch.arange(TINY.vocab_size)
+    feats, labels, trainable, t2d = tiny_batch(drafter)
     cfg = TrainConfig(steps=1, ttt_steps=3, multi_view=MultiView(budgets={12: 1.0}, block_size=4))
     plain, accs = ttt_loss(drafter, feats, labels, trainable, cfg, t2d)
     whole = KVBudget(tokens=40, block_size=4)
