@@ -283,6 +283,8 @@ def long_document_prompts(tokenizer: Any, prefix_tokens: int, count: int,
     by id; None: either split). Fewer where too few modules are that long."""
     prompts = []
     for module in stdlib_modules():
+        if len(prompts) == count:
+            break
         if split is not None and split_of(f"stdlib/{module.stem}_0") != split:
             continue
         source = tokenizer(module.read_text(errors="replace"), add_special_tokens=False)
@@ -295,8 +297,6 @@ def long_document_prompts(tokenizer: Any, prefix_tokens: int, count: int,
         messages = [{"role": "user", "content": text}]
         prompts.append(Selected(f"stdlib/{module.stem}", 1, split_of(f"stdlib/{module.stem}_0"),
                                 messages, chat_prompt(tokenizer, messages)))
-        if len(prompts) == count:
-            break
     return prompts
 
 

@@ -69,6 +69,7 @@ def test_long_document_prompts_reach_their_bucket(target_bf16: Path) -> None:
             assert p.messages[0]["content"].startswith("Continue this file, ")
     held_out = long_document_prompts(tok, 1024, 50)
     assert held_out and all(p.split == "heldout" for p in held_out)
+    assert long_document_prompts(tok, 1024, 0) == []
 
 
 def test_history_prompts_join_parts_and_end_on_a_user_turn(target_bf16: Path,
