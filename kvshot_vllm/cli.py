@@ -215,6 +215,10 @@ def cmd_train(a: argparse.Namespace) -> None:
                  forward_dtype=a.forward_dtype, device=device, live_features=live,
                  kv_budget=_kv_budget(a), **_drafter_options(a))
     print(f"checkpoint: {ckpt}")
+    if a.memory:
+        print(f"diagnose: kvshot diagnose {ckpt} --dataset {dataset} (a compressed memory is "
+              f"not served yet)")
+        return
     print(f"serve: vllm serve {target} --speculative-config "
           f"'{{\"method\": \"eagle3\", \"model\": \"{ckpt}\", \"num_speculative_tokens\": 3}}'")
 

@@ -739,7 +739,7 @@ def prepare_data(
         per_turn = Counter(r["turn"] for r in records)
         manifest["splits"][split] = {
             "file": path.name, "records": len(records), "bytes": path.stat().st_size,
-            "conversations": len(selection[split]),
+            "conversations": found[split],
             "records_per_turn": {str(t): per_turn[t] for t in sorted(per_turn)},
             "prompt_tokens": sum(len(r["prompt_token_ids"]) for r in records),
             "response_tokens": sum(len(r["response_token_ids"]) for r in records),

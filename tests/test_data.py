@@ -282,3 +282,24 @@ def test_ray_workers_produce_the_same_data(target_bf16: Path, data_dir: Path,
         assert proc.returncode == 0, proc.stderr[-3000:]
     for split in ("train", "heldout"):
         assert (one / f"{split}.jsonl").read_text() == (two / f"{split}.jsonl").read_text()
+
+
+@pytest.mark.slow
+def test_long_data_set_is_one_bucket_of_regenerated_prompts(target_fp32: Path,
+                                                            tmp_path: Path) -> None:
+    """`kvshot data prepare --long`: a real engine answers each long prompt; the manifest counts
+    them; a rerun regenerates nothing."""
+    out = tmp_path / "long"
+    args = ["data", "prepare", "--long", "512", "--num-prompts", "1", "--num-heldout", "2",
+            "--max-new-tokens", "4", "--dtype", "float32", "--target", str(target_fp32),
+            "--out", str(out)]
+    proc = run_kvshot(*args)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    held = read_records(out / "heldout.jsonl")
+    assert len(held) == 2 and all(384 <= len(r["prompt_token_ids"]) <= 512 for r in held)
+    assert all(len(r["response_token_ids"]) == 4 for r in held)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["params"]["long_prefix"] == 512
+    assert manifest["splits"]["heldout"]["conversations"] == 2
+    again = run_kvshot(*args)
+    assert again.returncode == 0 and "nothing to regenerate" in again.stdout
