@@ -80,13 +80,14 @@ MEMORY_TRAIN = $(VENV)/bin/kvshot train --paradigm hybrid \
 MEMORY_DIAGNOSE = $(VENV)/bin/kvshot diagnose hybrid=drafters/smollm2-135m-instruct/hybrid \
   memory-distill=$(KVSHOT_DATA_DIR)/runs/memory-draft-distill/checkpoint \
   memory-ttt=$(KVSHOT_DATA_DIR)/runs/memory-draft-ttt/checkpoint --view-block-size 16 \
-  --view-draft-cache --target $(SCALE_TARGET) --forward-dtype bfloat16
+  --target $(SCALE_TARGET) --forward-dtype bfloat16
 memory-study: data-scale data-long
 	$(MEMORY_TRAIN) --objective distill --name memory-draft-distill
 	$(MEMORY_TRAIN) --objective ttt --name memory-draft-ttt
-	$(MEMORY_DIAGNOSE) --kv-budgets 48 --dataset $(SCALE_DATA) --out results/memory-draft
+	$(MEMORY_DIAGNOSE) --kv-budgets 48 --view-draft-cache --dataset $(SCALE_DATA) \
+	  --out results/memory-draft
 	for spec in $(LONG_BUCKETS); do \
-	  $(MEMORY_DIAGNOSE) --kv-budgets 48 192 576 \
+	  $(MEMORY_DIAGNOSE) --kv-budgets 48+own 192+own 576+own --batch-size 1 \
 	    --dataset $(KVSHOT_DATA_DIR)/datasets/long-$${spec%:*} \
 	    --out results/memory-draft-long-$${spec%:*} || exit 1; \
 	done

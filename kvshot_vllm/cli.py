@@ -242,16 +242,24 @@ def cmd_diagnose(a: argparse.Namespace) -> None:
     from kvshot_vllm.training.diagnostics import diagnose, write_report
     from kvshot_vllm.training.pipeline import feature_spec, features_for
 
+    budgets = []  # (tokens, own cache too)
+    for item in a.kv_budgets or []:
+        tokens, own = item.removesuffix("+own"), item.endswith("+own")
+        if not tokens.isdigit():
+            raise KVShotError(f"--kv-budgets takes TOKENS or TOKENS+own, got {item}")
+        budgets += [(int(tokens), True)] if own else [
+            (int(tokens), o) for o in sorted({False, a.view_draft_cache})]
     try:
         views = [KVBudget(tokens=t, block_size=a.view_block_size, draft_cache=own)
-                 for own in sorted({False, a.view_draft_cache}) for t in a.kv_budgets or []]
+                 for own in (False, True) for t, o in budgets if o == own]
     except ValidationError as exc:
         raise KVShotError("--kv-budgets: " + first_validation_error(exc)[1]) from None
     data_dir, target, dataset = _training_inputs(a)
     ckpts = _named_checkpoints(a.checkpoints)
     features = features_for(data_dir, target, dataset, "heldout",
                             feature_spec(target, forward_dtype=a.forward_dtype))
-    results = diagnose(ckpts, target, features, steps=a.steps, views=views)
+    results = diagnose(ckpts, target, features, steps=a.steps, views=views,
+                       batch_size=a.batch_size)
     write_report(results, Path(a.out), "kvshot diagnose " + " ".join(sys.argv[2:]))
 
 
@@ -530,14 +538,18 @@ def build_parser() -> argparse.ArgumentParser:
     forward_dtype(p)
     p.add_argument("checkpoints", nargs="+", metavar="[NAME=]CHECKPOINT")
     p.add_argument("--steps", type=int, default=7, help="draft chain length (default 7)")
-    p.add_argument("--kv-budgets", type=int, nargs="+", metavar="TOKENS",
-                   help="also diagnose every KV-reuse drafter reading a sparse view of the "
-                   "target's KV of each budget (NAME@TOKENS rows; sink block + recent window)")
+    p.add_argument("--kv-budgets", nargs="+", metavar="TOKENS[+own]",
+                   help="also diagnose every full-view KV-reuse drafter reading a sparse view "
+                   "of the target's KV of each budget (NAME@TOKENS rows; sink block + recent "
+                   "window); TOKENS+own: a view of a hybrid's own cache too (NAME@TOKENS+own)")
+    p.add_argument("--batch-size", type=int, default=4,
+                   help="sequences per forward (default 4; 1 for prefixes of several thousand "
+                   "tokens, whose attention scores take gigabytes)")
     p.add_argument("--view-block-size", type=int, default=32,
                    help="the cache block size the views are cut in (default 32)")
     p.add_argument("--view-draft-cache", action="store_true",
                    help="also diagnose each view covering a hybrid's own self-attention cache "
-                   "too (NAME@TOKENS+own rows)")
+                   "too (NAME@TOKENS+own rows for every TOKENS)")
     p.add_argument("--out", default="results/diagnose", help="output path without suffix")
     p.set_defaults(func=cmd_diagnose)
 

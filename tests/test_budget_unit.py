@@ -139,6 +139,8 @@ def test_cli_refuses_bad_views_before_reading_data() -> None:
                           "--multi-view takes TOKENS:PROBABILITY pairs")
     assert_one_line_error(run_kvshot("diagnose", "x=y", "--kv-budgets", "64"),
                           "--kv-budgets: tokens 64 leave less than two blocks of 32")
+    assert_one_line_error(run_kvshot("diagnose", "x=y", "--kv-budgets", "128+mine"),
+                          "--kv-budgets takes TOKENS or TOKENS+own, got 128+mine")
 
 
 def test_a_viewed_draft_cache_hides_the_hybrids_own_distant_keys() -> None:

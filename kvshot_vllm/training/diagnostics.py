@@ -93,7 +93,8 @@ def training_stats(checkpoint: Path) -> dict | None:
 
 
 def diagnose(checkpoints: dict[str, Path], target_dir: Path, features: FeatureSet,
-             steps: int = 7, progress: bool = True, views: Sequence[KVBudget] = ()) -> dict:
+             steps: int = 7, progress: bool = True, views: Sequence[KVBudget] = (),
+             batch_size: int = 4) -> dict:
     """One row per checkpoint, under its own view (`kv_budget`, e.g. a compressed memory) if it
     was trained with one; with `views`, also NAME@TOKENS per view for each full-view drafter
     that reads target KV: the same drafter reading that sparse view of it (`budget.py`),
@@ -107,7 +108,8 @@ def diagnose(checkpoints: dict[str, Path], target_dir: Path, features: FeatureSe
             for v in views if spec.reads_target_kv and drafter.cfg.kv_budget is None]
         for label, view in own:
             with drafter.viewing(view) if view else nullcontext():
-                acceptance = stepwise_acceptance(drafter, features, steps, progress=progress)
+                acceptance = stepwise_acceptance(drafter, features, steps, batch_size,
+                                                 progress=progress)
                 held = {str(n): drafter.draft_side_bytes(n) for n in PREFIXES}
                 read = drafter.view.model_dump() if drafter.view else None
             results[label] = {"checkpoint": str(ckpt), "paradigm": drafter.cfg.paradigm,
