@@ -240,7 +240,7 @@ def cmd_diagnose(a: argparse.Namespace) -> None:
 
     from kvshot_vllm.models.budget import KVBudget
     from kvshot_vllm.training.diagnostics import diagnose, write_report
-    from kvshot_vllm.training.pipeline import feature_spec, features_for
+    from kvshot_vllm.training.pipeline import feature_spec, features_for, sequence_limit
 
     budgets = []  # (tokens, own cache too)
     for item in a.kv_budgets or []:
@@ -257,7 +257,8 @@ def cmd_diagnose(a: argparse.Namespace) -> None:
     data_dir, target, dataset = _training_inputs(a)
     ckpts = _named_checkpoints(a.checkpoints)
     features = features_for(data_dir, target, dataset, "heldout",
-                            feature_spec(target, forward_dtype=a.forward_dtype))
+                            feature_spec(target, max_len=sequence_limit(dataset),
+                                         forward_dtype=a.forward_dtype))
     results = diagnose(ckpts, target, features, steps=a.steps, views=views,
                        batch_size=a.batch_size)
     write_report(results, Path(a.out), "kvshot diagnose " + " ".join(sys.argv[2:]))
@@ -268,7 +269,7 @@ def cmd_curve(a: argparse.Namespace) -> None:
 
     from kvshot_vllm.paths import resolve_data_dir
     from kvshot_vllm.training.curve import learning_curve, write_curve
-    from kvshot_vllm.training.pipeline import feature_spec, features_for
+    from kvshot_vllm.training.pipeline import feature_spec, features_for, sequence_limit
 
     run_dir = Path(a.run_dir)
     if not (run_dir / "run.json").is_file():
@@ -277,9 +278,11 @@ def cmd_curve(a: argparse.Namespace) -> None:
     target = Path(run["target"])
     trained_on = json.loads((Path(run["features"]) / "params.json").read_text())
     device = a.device or _default_device()
-    heldout = features_for(resolve_data_dir(a.data_dir), target, Path(trained_on["dataset"]),
-                           "heldout", feature_spec(target, forward_dtype=trained_on.get(
-                               "forward_dtype", "float32")), device=device, live=device != "cpu")
+    dataset = Path(trained_on["dataset"])
+    heldout = features_for(resolve_data_dir(a.data_dir), target, dataset, "heldout",
+                           feature_spec(target, max_len=sequence_limit(dataset),
+                                        forward_dtype=trained_on.get("forward_dtype", "float32")),
+                           device=device, live=device != "cpu")
     rows = learning_curve(run_dir, target, heldout, steps=a.steps, device=device)
     out = Path(a.out) if a.out else run_dir / "curve"
     write_curve(rows, out, "kvshot curve " + " ".join(sys.argv[2:]))

@@ -348,3 +348,16 @@ def test_multi_view_draws_budgets_by_step() -> None:
     with pytest.raises(KVShotError, match="not a multiple of block_size"):
         train_config("quick", multi_view={"budgets": {100: 1.0}})
     assert MultiView(draft_cache=True).draw(0, 5).draft_cache and not views.draw(0, 5).draft_cache
+
+
+def test_features_of_a_long_data_set_hold_its_sequences_whole(tmp_path) -> None:
+    import json
+
+    from kvshot_vllm.training.pipeline import MAX_LEN, sequence_limit
+
+    (tmp_path / "params.json").write_text(json.dumps({"long_prefix": 4096,
+                                                      "max_new_tokens": 128}))
+    assert sequence_limit(tmp_path) == 4224
+    (tmp_path / "params.json").write_text(json.dumps({"long_prefix": None,
+                                                      "max_new_tokens": 256}))
+    assert sequence_limit(tmp_path) == MAX_LEN

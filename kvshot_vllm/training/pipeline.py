@@ -20,6 +20,16 @@ from kvshot_vllm.training.ttt import PRESETS, TrainConfig, Trainer
 MAX_LEN = 1024
 
 
+def sequence_limit(dataset: Path) -> int:
+    """The feature length that holds every sequence of `dataset`: MAX_LEN, or for a long-context
+    data set (`kvshot data prepare --long`) its prompts and replies whole."""
+    params = Path(dataset) / "params.json"
+    p = json.loads(params.read_text()) if params.is_file() else {}
+    if p.get("long_prefix") is None:
+        return MAX_LEN
+    return max(MAX_LEN, p["long_prefix"] + p["max_new_tokens"])
+
+
 def feature_spec(target_dir: Path, kv_layers: list[int] | None = None,
                  max_len: int = MAX_LEN, forward_dtype: str = "float32") -> FeatureSpec:
     n = target_spec(target_dir).num_layers
@@ -73,7 +83,7 @@ def train(data_dir: Path, target_dir: Path, dataset: Path, run_dir: Path, cfg: T
           device: str = "cpu", live_features: bool = False, **options) -> Path:
     dcfg = drafter_config(target_dir, cfg, init, **options)
     spec = feature_spec(target_dir, sorted(set(dcfg.kv_layers) | set(default_layers(
-        dcfg.target.num_layers, 3))), forward_dtype=forward_dtype)
+        dcfg.target.num_layers, 3))), sequence_limit(dataset), forward_dtype=forward_dtype)
     features = features_for(data_dir, target_dir, dataset, "train", spec, device,
                             live=live_features)
     trainer = Trainer(run_dir, dcfg, cfg, target_dir, features, init=init, device=device)
