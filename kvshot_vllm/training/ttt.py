@@ -536,4 +536,5 @@ def _stored_run(run_file: Path) -> dict:
     """run.json as this version writes it: config fields added since take their defaults."""
     run = json.loads(run_file.read_text())
     run["drafter"] = validated(run["drafter"], str(run_file)).model_dump(mode="json")
+    run["train"] = TrainConfig.model_validate(run["train"]).model_dump()
     return run
