@@ -111,6 +111,11 @@ class KVBudget(BaseModel):
     def window_blocks(self) -> int:
         return (self.tokens - self.sink_tokens) // self.block_size
 
+    @property
+    def chunk_blocks(self) -> int:
+        """Cache blocks per memory chunk."""
+        return self.memory.chunk_tokens // self.block_size
+
 
 def left_out_blocks(verified: torch.Tensor, budget: KVBudget) -> torch.Tensor:
     """Blocks left out of view right after the sink, per request: the view of V verified keys
@@ -120,15 +125,13 @@ def left_out_blocks(verified: torch.Tensor, budget: KVBudget) -> torch.Tensor:
     gap = (last - budget.window_blocks + 1 - budget.sink_blocks).clamp(min=0)
     if budget.memory is None:
         return gap
-    chunk = budget.memory.chunk_tokens // budget.block_size
-    return gap.div(chunk, rounding_mode="floor") * chunk
+    return gap.div(budget.chunk_blocks, rounding_mode="floor") * budget.chunk_blocks
 
 
 def memory_chunks(verified: torch.Tensor, budget: KVBudget) -> torch.Tensor:
     """How many chunks after the sink are summarised in the memory of V verified keys: those
     left out of the exact view. verified [...] long -> [...] long."""
-    chunk = budget.memory.chunk_tokens // budget.block_size
-    return left_out_blocks(verified, budget).div(chunk, rounding_mode="floor")
+    return left_out_blocks(verified, budget).div(budget.chunk_blocks, rounding_mode="floor")
 
 
 def visible_keys(verified: torch.Tensor, num_keys: int, budget: KVBudget) -> torch.Tensor:

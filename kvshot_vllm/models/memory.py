@@ -9,7 +9,7 @@ score against the pooled key is the same weighting of its scores against the chu
 
 A chunk's slots depend on that chunk alone, so the memory grows by one chunk's slots when a
 chunk leaves the exact window and is never recomputed over the prefix; compressing a prefix
-chunk by chunk gives what compressing it at once does (tests/test_memory.py).
+chunk by chunk gives what compressing it at once does (tests/test_memory_unit.py).
 """
 
 from __future__ import annotations
