@@ -127,3 +127,23 @@ def test_heads_that_do_not_split_are_refused_by_name() -> None:
     with pytest.raises(KVShotError, match="9 attention heads do not split over tensor-parallel "
                                           "size 2"):
         drafter_of("kv", {}, NINE_BY_THREE, TensorParallel(0, 2))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="vLLM's CPU kernels serve CPU builds")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_platform_gemm_computes_what_torch_computes(dtype, tol) -> None:
+    """Served on a CPU, the drafter's linear layers (row-parallel ones included) multiply with
+    vLLM's prepacked kernels (`use_platform_gemm`): the same products as torch's, at the row
+    counts of a draft pass."""
+    from kvshot_vllm.models.parallel import ColumnParallel, RowParallel
+    from kvshot_vllm.serving.drafter import use_platform_gemm
+
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(ColumnParallel(64, 96, groups=3), RowParallel(96, 64)).to(dtype)
+    xs = [torch.randn(rows, 64, dtype=dtype) for rows in (1, 4, 16)]
+    with torch.no_grad():
+        expected = [layers(x) for x in xs]
+        use_platform_gemm([layers])
+        assert all(m.gemm is not torch.nn.functional.linear for m in layers)
+        for x, want in zip(xs, expected):
+            torch.testing.assert_close(layers(x), want, rtol=tol, atol=tol)

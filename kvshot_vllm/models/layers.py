@@ -7,7 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kvshot_vllm.models.budget import KVBudget, memory_chunks, visible_keys
-from kvshot_vllm.models.parallel import ColumnParallel, RowParallel
+from kvshot_vllm.models.parallel import ColumnParallel, Linear, RowParallel
 
 
 class SwiGLU(nn.Module):
@@ -32,7 +32,7 @@ class GatedDelta(nn.Module):
 
     def __init__(self, hidden: int, gate_init: float) -> None:
         super().__init__()
-        self.delta_proj = nn.Linear(hidden, hidden, bias=False)
+        self.delta_proj = Linear(hidden, hidden)
         self.gate = nn.Parameter(torch.full((hidden,), gate_init))
 
     def forward(self, o_self: torch.Tensor, o_cross: torch.Tensor) -> torch.Tensor:
@@ -129,13 +129,13 @@ class SelectiveScan(nn.Module):
         super().__init__()
         self.state_size = state_size
         self.norm = RMSNorm(hidden, eps)
-        self.in_proj = nn.Linear(hidden, 2 * hidden, bias=False)  # input u, output gate z
-        self.x_proj = nn.Linear(hidden, hidden + 2 * state_size, bias=False)  # step, B, C
+        self.in_proj = Linear(hidden, 2 * hidden)  # input u, output gate z
+        self.x_proj = Linear(hidden, hidden + 2 * state_size)  # step, B, C
         # Initial values: `weights.init_weights` (every drafter weight is initialised there).
         self.A_log = nn.Parameter(torch.zeros(hidden, state_size))
         self.D = nn.Parameter(torch.zeros(hidden))
-        self.init_proj = nn.Linear(hidden, hidden * state_size, bias=False)
-        self.out_proj = nn.Linear(hidden, hidden, bias=False)
+        self.init_proj = Linear(hidden, hidden * state_size)
+        self.out_proj = Linear(hidden, hidden)
 
     def initial_state(self, cond: torch.Tensor) -> torch.Tensor:
         """cond [..., hidden] -> state [..., hidden, state_size]."""

@@ -65,13 +65,27 @@ def local_heads(total: int, what: str) -> int:
     return total // size
 
 
-class ColumnParallel(nn.Linear):
+class Linear(nn.Linear):
+    """A drafter's linear layer (no bias) whose matmul a back-end may swap after loading:
+    serving on a CPU multiplies with vLLM's prepacked kernels, as vLLM's own layers do
+    (`serving/drafter.py`, `use_platform_gemm`); training keeps torch's `F.linear`."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__(in_features, out_features, bias=False)
+        self.gemm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] = (
+            F.linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gemm(x, self.weight, None)
+
+
+class ColumnParallel(Linear):
     """Output features split over the ranks. The output is `groups` side-by-side blocks (the
     heads of each sampled layer); each block is split evenly, rank r keeping part r of each."""
 
     def __init__(self, in_features: int, out_features: int, groups: int = 1) -> None:
         self.tp, self.groups = _current, groups
-        super().__init__(in_features, out_features // self.tp.size, bias=False)
+        super().__init__(in_features, out_features // self.tp.size)
 
     def shard(self, full: torch.Tensor) -> torch.Tensor:
         """[out, in] -> this rank's [out / size, in]."""
@@ -79,13 +93,13 @@ class ColumnParallel(nn.Linear):
         return blocks[:, self.tp.rank].flatten(0, 1)
 
 
-class RowParallel(nn.Linear):
+class RowParallel(Linear):
     """Input features split over the ranks (as `ColumnParallel` split the outputs feeding
     them); the partial products are all-reduced, so every rank gets the full output."""
 
     def __init__(self, in_features: int, out_features: int, groups: int = 1) -> None:
         self.tp, self.groups = _current, groups
-        super().__init__(in_features // self.tp.size, out_features, bias=False)
+        super().__init__(in_features // self.tp.size, out_features)
 
     def shard(self, full: torch.Tensor) -> torch.Tensor:
         """[out, in] -> this rank's [out, in / size]."""
@@ -93,7 +107,7 @@ class RowParallel(nn.Linear):
         return blocks[:, :, self.tp.rank].flatten(1, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight)
+        out = super().forward(x)
         return self.tp.all_reduce(out) if self.tp.size > 1 else out
 
 

@@ -41,13 +41,15 @@ from vllm.forward_context import get_forward_context, is_forward_context_availab
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.rotary_embedding import get_rope
+from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
+from vllm.platforms import current_platform
 
 from kvshot_vllm.errors import KVShotError
 from kvshot_vllm.models.config import DrafterConfig, TargetSpec, load_drafter_config
 from kvshot_vllm.models.drafter import DraftAttention
 from kvshot_vllm.models.layers import SelectiveScan
-from kvshot_vllm.models.parallel import TensorParallel, shard_weights, tensor_parallel
+from kvshot_vllm.models.parallel import Linear, TensorParallel, shard_weights, tensor_parallel
 from kvshot_vllm.models.weights import check_drafter_weights, verify_checkpoint
 from kvshot_vllm.serving.backend import (DraftCacheViewBuilderMixin, DraftKVBuilderMixin,
                                          block_rows, draft_backend, draft_plan, platform_backend)
@@ -194,6 +196,20 @@ def _block_metadata(layer_names: list[str]) -> Iterator[None]:
         yield
     finally:
         mds.update(saved)
+
+
+def use_platform_gemm(modules: Iterable[nn.Module]) -> None:
+    """On a CPU, the drafter's linear layers multiply with the kernels vLLM's own layers use
+    there (`dispatch_cpu_unquantized_gemm`: oneDNN or sgl with the weights prepacked): at decode
+    batch sizes 2-3x torch's bf16 matmul (`python bench/cpu_gemm.py`). Call once the weights
+    are final: the kernels read a packed copy. On GPUs torch's matmul is vLLM's too."""
+    if not current_platform.is_cpu():
+        return
+    for module in modules:
+        for linear in module.modules():
+            if isinstance(linear, Linear):
+                dispatch_cpu_unquantized_gemm(linear, remove_weight=False)
+                linear.gemm = linear.cpu_linear
 
 
 def _metadata(layer_name: str):
@@ -371,3 +387,4 @@ class KVShotEagle3LlamaForCausalLM(VerifiedEagle3LlamaForCausalLM):
             with torch.no_grad():
                 params[name].copy_(w.to(params[name].dtype))
         super().load_weights((n, w) for n, w in weights.items() if n not in ours)
+        use_platform_gemm(getattr(self, name) for name in self._own_modules)
