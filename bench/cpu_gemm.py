@@ -36,9 +36,10 @@ def median_us(fn, repeats: int = 7, calls: int = 200) -> float:
 def plugin_layers(drafter: Path, target: Path) -> dict[str, torch.Tensor]:
     """name -> weight [out, in] of each plugin linear layer of a shipped drafter (none where
     vLLM's own EAGLE-3 layers serve it)."""
-    from kvshot_vllm.models.config import KVSHOT_ARCH, load_drafter_config
+    from kvshot_vllm.models.config import load_drafter_config
     from kvshot_vllm.models.drafter import load_drafter
     from kvshot_vllm.models.parallel import Linear
+    from kvshot_vllm.models.registry import KVSHOT_ARCH
 
     if load_drafter_config(drafter).architecture != KVSHOT_ARCH:
         return {}

@@ -11,19 +11,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
                       model_validator)
 
 from kvshot_vllm.errors import KVShotError, first_validation_error
 from kvshot_vllm.models.budget import KVBudget
-
-if TYPE_CHECKING:
-    from kvshot_vllm.models.registry import Paradigm
-
-STOCK_EAGLE3_ARCH = "Eagle3LlamaForCausalLM"
-KVSHOT_ARCH = "KVShotLlamaEagle3"
+from kvshot_vllm.models.registry import Paradigm, choices_message, paradigm, paradigm_names
 
 
 class TargetSpec(BaseModel):
@@ -102,17 +97,13 @@ class DrafterConfig(BaseModel):
     @field_validator("paradigm")
     @classmethod
     def _registered(cls, name: str) -> str:
-        from kvshot_vllm.models.registry import choices_message, paradigm_names
-
         if name not in paradigm_names():
             raise ValueError(choices_message())
         return name
 
     @property
-    def spec(self) -> "Paradigm":
+    def spec(self) -> Paradigm:
         """What the paradigm is (`registry.Paradigm`)."""
-        from kvshot_vllm.models.registry import paradigm
-
         return paradigm(self.paradigm)
 
     @model_validator(mode="after")

@@ -35,7 +35,8 @@ from kvshot_vllm.models.config import (DrafterConfig, TargetSpec, check_fits_tar
 from kvshot_vllm.models.layers import RMSNorm, SelectiveScan, draft_attention, rotate
 from kvshot_vllm.models.memory import ChunkMemory
 from kvshot_vllm.models.parallel import ColumnParallel, RowParallel, local_heads, shard_weights
-from kvshot_vllm.models.weights import check_drafter_weights, target_spec, verify_checkpoint
+from kvshot_vllm.models.weights import (check_drafter_weights, target_embedding, target_spec,
+                                        verify_checkpoint)
 
 
 @dataclass
@@ -402,8 +403,6 @@ class Drafter(nn.Module):
 def build_drafter(cfg: DrafterConfig, target_dir: Path) -> Drafter:
     """The training-side drafter of `cfg.paradigm` for the target in `target_dir`."""
     from transformers import AutoConfig
-
-    from kvshot_vllm.models.weights import target_embedding
 
     check_fits_target(cfg, target_spec(target_dir))
     return Drafter(cfg, AutoConfig.from_pretrained(target_dir), target_embedding(target_dir))

@@ -3,8 +3,8 @@
 A paradigm's entry says what it is, so that the config's choices, `build_drafter`, the CLI, the
 serving checks, the bench and the tests' parameter lists all derive from one place: adding a
 paradigm is one module and its registration (docs/adding_a_paradigm.md). The registry imports
-the paradigm modules on first use, never at import time, so that `config.py`, which every
-paradigm module imports, stays free of them.
+the paradigm modules by name on first use, never at import time, and imports no model module
+itself: `config.py` imports it, and every paradigm module imports `config.py`.
 """
 
 from __future__ import annotations
@@ -17,6 +17,10 @@ from kvshot_vllm.errors import KVShotError
 
 if TYPE_CHECKING:
     from kvshot_vllm.models.drafter import DraftLayers
+
+# Architecture names in a checkpoint's config.json: vLLM's own EAGLE-3 one, and the plugin's.
+STOCK_EAGLE3_ARCH = "Eagle3LlamaForCausalLM"
+KVSHOT_ARCH = "KVShotLlamaEagle3"
 
 # The modules whose import registers the built-in paradigms, in the order they are listed.
 PARADIGM_MODULES = ("kvshot_vllm.models.hidden", "kvshot_vllm.models.kv_only",
@@ -41,8 +45,6 @@ class Paradigm:
     def architecture(self) -> str:
         """The architecture name in config.json: vLLM's own for plain EAGLE-3, so that such
         checkpoints also load in stock vLLM; the plugin's for anything that reads target KV."""
-        from kvshot_vllm.models.config import KVSHOT_ARCH, STOCK_EAGLE3_ARCH
-
         return KVSHOT_ARCH if self.reads_target_kv else STOCK_EAGLE3_ARCH
 
 

@@ -7,7 +7,7 @@ registry-inspection subprocess.
 
 from __future__ import annotations
 
-from kvshot_vllm.models.config import KVSHOT_ARCH, STOCK_EAGLE3_ARCH
+from kvshot_vllm.models.registry import KVSHOT_ARCH, STOCK_EAGLE3_ARCH
 
 # architecture name (as written in a checkpoint's config.json) -> "module:Class". The stock
 # EAGLE-3 name is taken over by its subclass that checks shipped checkpoints' manifests.
