@@ -82,10 +82,15 @@ def rank_view(feats: TargetFeatures, rank: int, size: int) -> TargetFeatures:
                           {n: (own(k), own(v)) for n, (k, v) in feats.target_kv.items()})
 
 
+@pytest.mark.parametrize("fuse", [False, True], ids=["", "fused"])
 @pytest.mark.parametrize("hf,size", [(NINE_BY_THREE, 3), (FOUR_BY_TWO, 2)],
                          ids=["9x3-tp3", "4x2-tp2"])
 @pytest.mark.parametrize("paradigm,options", CASES)
-def test_sharded_ranks_draft_what_the_unsharded_drafter_drafts(paradigm, options, hf, size):
+def test_sharded_ranks_draft_what_the_unsharded_drafter_drafts(paradigm, options, hf, size, fuse):
+    """fused: each rank's layers as served (`fuse_for_decoding`: q/k/v and gate/up of its shards
+    in one matmul each, on the platform's kernels) against the unsharded, unfused drafter."""
+    from kvshot_vllm.serving.drafter import fuse_for_decoding
+
     t, steps = 10, 4
     full = drafter_of(paradigm, options, hf)
     feats = features(full, hf, t)
@@ -95,6 +100,9 @@ def test_sharded_ranks_draft_what_the_unsharded_drafter_drafts(paradigm, options
     reduce = ThreadAllReduce(size)
     ranks = [drafter_of(paradigm, options, hf, TensorParallel(r, size, reduce.of_rank(r)))
              for r in range(size)]
+    if fuse:
+        for rank in ranks:
+            fuse_for_decoding([rank])
     attn = next(m for n, m in ranks[0].named_modules() if n.endswith(("self_attn", "cross")))
     assert (attn.heads, attn.kv_heads) == (hf.num_attention_heads // size,
                                            hf.num_key_value_heads // size)

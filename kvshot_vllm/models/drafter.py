@@ -34,7 +34,8 @@ from kvshot_vllm.models.config import (DrafterConfig, TargetSpec, check_fits_tar
                                        load_drafter_config)
 from kvshot_vllm.models.layers import RMSNorm, SelectiveScan, draft_attention, rotate
 from kvshot_vllm.models.memory import ChunkMemory
-from kvshot_vllm.models.parallel import ColumnParallel, RowParallel, local_heads, shard_weights
+from kvshot_vllm.models.parallel import (ColumnParallel, Linear, RowParallel, fused, local_heads,
+                                         shard_weights)
 from kvshot_vllm.models.weights import (check_drafter_weights, target_embedding, target_spec,
                                         verify_checkpoint)
 
@@ -121,8 +122,20 @@ class DraftAttention(nn.Module):
         self.k_proj = ColumnParallel(in_size, kv_size, groups)
         self.v_proj = ColumnParallel(in_size, kv_size, groups)
         self.o_proj = RowParallel(q_size, target.hidden_size, groups)
+        self.qkv_proj: Linear | None = None  # `fuse`
         self.memory = (ChunkMemory(groups * self.kv_heads, self.head_dim, memory)
                        if memory is not None else None)
+
+    def fuse(self) -> None:
+        """q, k and v projections in one matmul (serving, once the weights are loaded)."""
+        self.qkv_proj = fused(self.q_proj, self.k_proj, self.v_proj)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [..., in] -> q [..., groups * heads * d], k and v [..., groups * kv_heads * d]."""
+        if self.qkv_proj is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        kv = self.k_proj.out_features
+        return self.qkv_proj(x).split([self.q_proj.out_features, kv, kv], dim=-1)
 
     def target_context(self, target_kv: list[tuple[torch.Tensor, torch.Tensor]], rope: "Rope"
                        ) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -137,9 +150,10 @@ class DraftAttention(nn.Module):
         this attention reads its cache's part; None: all."""
         b, t, _ = x.shape
         cos, sin = rope
-        q = rotate(self.q_proj(x).view(b, t, self.groups * self.heads, self.head_dim), cos, sin)
-        k = rotate(self.k_proj(x).view(b, t, self.groups * self.kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(b, t, self.groups * self.kv_heads, self.head_dim)
+        q, k, v = self.project(x)
+        q = rotate(q.view(b, t, self.groups * self.heads, self.head_dim), cos, sin)
+        k = rotate(k.view(b, t, self.groups * self.kv_heads, self.head_dim), cos, sin)
+        v = v.view(b, t, self.groups * self.kv_heads, self.head_dim)
         qs, ks, vs = (z.chunk(self.groups, dim=2) for z in (q, k, v))
         own = list(zip(ks, vs))
         if ctx is None and chain.ctx is None:

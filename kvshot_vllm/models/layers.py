@@ -7,7 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kvshot_vllm.models.budget import KVBudget, memory_chunks, visible_keys
-from kvshot_vllm.models.parallel import ColumnParallel, Linear, RowParallel
+from kvshot_vllm.models.parallel import ColumnParallel, Linear, RowParallel, fused
 
 
 class SwiGLU(nn.Module):
@@ -18,9 +18,18 @@ class SwiGLU(nn.Module):
         self.gate_proj = ColumnParallel(hidden, intermediate)
         self.up_proj = ColumnParallel(hidden, intermediate)
         self.down_proj = RowParallel(intermediate, hidden)
+        self.gate_up_proj: Linear | None = None  # `fuse`
+
+    def fuse(self) -> None:
+        """Gate and up projections in one matmul (serving, once the weights are loaded)."""
+        self.gate_up_proj = fused(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class GatedDelta(nn.Module):

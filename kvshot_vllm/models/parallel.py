@@ -79,6 +79,17 @@ class Linear(nn.Linear):
         return self.gemm(x, self.weight, None)
 
 
+def fused(*linears: Linear) -> Linear:
+    """One layer computing `linears`' outputs side by side, their weights concatenated (this
+    rank's shards of column-parallel layers stay this rank's): one matmul where a decode batch
+    of a few rows pays a call per layer. Built once the weights are final (serving)."""
+    weight = torch.cat([m.weight.detach() for m in linears])
+    out = Linear(weight.shape[1], weight.shape[0]).to(weight)
+    with torch.no_grad():
+        out.weight.copy_(weight)
+    return out
+
+
 class ColumnParallel(Linear):
     """Output features split over the ranks. The output is `groups` side-by-side blocks (the
     heads of each sampled layer); each block is split evenly, rank r keeping part r of each."""

@@ -48,7 +48,7 @@ from vllm.platforms import current_platform
 from kvshot_vllm.errors import KVShotError
 from kvshot_vllm.models.config import DrafterConfig, TargetSpec, load_drafter_config
 from kvshot_vllm.models.drafter import DraftAttention
-from kvshot_vllm.models.layers import SelectiveScan
+from kvshot_vllm.models.layers import SelectiveScan, SwiGLU
 from kvshot_vllm.models.parallel import Linear, TensorParallel, shard_weights, tensor_parallel
 from kvshot_vllm.models.weights import check_drafter_weights, verify_checkpoint
 from kvshot_vllm.serving.backend import (DraftCacheViewBuilderMixin, DraftKVBuilderMixin,
@@ -95,11 +95,12 @@ class TargetKVAttention(DraftAttention):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
+        q, k, v = self.project(x)
         # Query and own key sit at the position of the carried token.
-        q, k = self.rope(positions + 1, self.q_proj(x), self.k_proj(x))
+        q, k = self.rope(positions + 1, q, k)
         q = q.view(t, self.groups, self.heads * self.head_dim)
         k = k.view(t, self.groups, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.groups, self.kv_heads, self.head_dim)
+        v = v.view(t, self.groups, self.kv_heads, self.head_dim)
         unused_kv = x.new_zeros(t, self.kv_heads * self.head_dim)
         outs = []
         for s, attn in enumerate(self.attn):
@@ -129,8 +130,9 @@ class PagedSelfAttention(DraftAttention):
                               prefix=f"model.layers.{layer}.self_attn.attn", attn_backend=backend)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        q, k = self.rope(positions, self.q_proj(x), self.k_proj(x))
-        return self.o_proj(self.attn(q, k, self.v_proj(x)))
+        q, k, v = self.project(x)
+        q, k = self.rope(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
 
 
 class PagedAttention:
@@ -196,6 +198,18 @@ def _block_metadata(layer_names: list[str]) -> Iterator[None]:
         yield
     finally:
         mds.update(saved)
+
+
+def fuse_for_decoding(modules: Iterable[nn.Module]) -> None:
+    """Once the weights are loaded: projections that read the same input in one matmul each
+    (q/k/v, gate/up), every matmul on the platform's kernels (`use_platform_gemm`). A decode
+    pass has a few rows, so each matmul costs about a read of its weights plus a call."""
+    modules = list(modules)
+    for module in modules:
+        for part in module.modules():
+            if isinstance(part, (DraftAttention, SwiGLU)):
+                part.fuse()
+    use_platform_gemm(modules)
 
 
 def use_platform_gemm(modules: Iterable[nn.Module]) -> None:
@@ -387,4 +401,4 @@ class KVShotEagle3LlamaForCausalLM(VerifiedEagle3LlamaForCausalLM):
             with torch.no_grad():
                 params[name].copy_(w.to(params[name].dtype))
         super().load_weights((n, w) for n, w in weights.items() if n not in ours)
-        use_platform_gemm(getattr(self, name) for name in self._own_modules)
+        fuse_for_decoding(getattr(self, name) for name in self._own_modules)
