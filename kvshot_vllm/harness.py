@@ -41,6 +41,19 @@ class BenchConfig:
     speculative: dict[str, Any] | None
     plugin: bool = True  # False: serve without the kvshot plugin (stock vLLM)
 
+    @property
+    def kind(self) -> str:
+        """What drafts: "none", "ngram", "stock" (vLLM's own EAGLE-3 layers: a hidden-only
+        drafter) or "kvshot" (the plugin's own layers: a KV-reuse or block drafter)."""
+        from kvshot_vllm.models.registry import KVSHOT_ARCH
+
+        if self.speculative is None:
+            return "none"
+        if self.speculative.get("method") != "eagle3":
+            return str(self.speculative.get("method"))
+        cfg = json.loads((Path(self.speculative["model"]) / "config.json").read_text())
+        return "kvshot" if KVSHOT_ARCH in cfg.get("architectures", []) else "stock"
+
     def drafter_kv_bytes_per_token(self, dtype_bytes: int) -> int | None:
         """KV cache bytes per token the drafter's own layers add: its self-attention layers'
         (`num_hidden_layers`); KV-reuse layers add none."""
@@ -255,7 +268,7 @@ def bench_config(cfg: BenchConfig, target: Path, data_dir: Path, prompts, args: 
                         max_model_len=args.max_model_len, served_model_name="target",
                         extra_args=args.extra_serve_args)
     dtype_bytes = 4 if default_dtype() == "float32" else 2
-    result: dict[str, Any] = {"serve_command": cmd, "plugin": cfg.plugin,
+    result: dict[str, Any] = {"serve_command": cmd, "plugin": cfg.plugin, "kind": cfg.kind,
                               "speculative_config": cfg.speculative,
                               "drafter_kv_bytes_per_token": cfg.drafter_kv_bytes_per_token(
                                   dtype_bytes), "levels": {}, "failed": None}
@@ -420,7 +433,45 @@ def report_lines(data: dict) -> list[str]:
         per_pos = overall_per_position(r)
         lines.append(f"| {name} | {r['drafter_kv_bytes_per_token']} | "
                      + (" / ".join(f"{x:.3f}" for x in per_pos) or "-") + " |")
-    return lines
+    return lines + goal_lines(data["configurations"])
+
+
+def goal_lines(results: dict[str, dict]) -> list[str]:
+    """Issue 13's serving goals, each where this run has the configurations it compares:
+    ngram's TPOT speedup at c = 1 against its acceptance length (how much of the acceptance
+    the verify step lets through), the best plugin drafter's TPOT speedup at c = 1 against no
+    speculation and stock EAGLE-3, and its throughput at c = 16 against no speculation."""
+    def row(name: str, level: int) -> dict:
+        return results[name]["levels"].get(str(level), {})
+
+    def of_kind(kind: str) -> list[str]:
+        return [n for n, r in results.items() if r.get("kind") == kind and not r["failed"]
+                and row(n, 1).get("tpot_speedup")]
+
+    goals = []
+    for name in of_kind("ngram"):
+        r = row(name, 1)
+        ratio = r["tpot_speedup"] / r["mat"]
+        goals.append((f"{name}: TPOT speedup at c = 1 at least 0.75x its acceptance length",
+                      f"{r['tpot_speedup']:.2f}x at MAT {r['mat']:.2f}: {ratio:.2f}x", ratio >= 0.75))
+    plugin = of_kind("kvshot")
+    if plugin:
+        best = max(plugin, key=lambda n: row(n, 1)["tpot_speedup"])
+        speedup = row(best, 1)["tpot_speedup"]
+        goals.append((f"best plugin drafter ({best}): TPOT at c = 1 at least 1.5x no "
+                      "speculation", f"{speedup:.2f}x", speedup >= 1.5))
+        for stock in of_kind("stock"):
+            other = row(stock, 1)["tpot_speedup"]
+            goals.append((f"{best}: TPOT at c = 1 above stock EAGLE-3 ({stock})",
+                          f"{speedup:.2f}x against {other:.2f}x", speedup > other))
+        if row(best, 16).get("throughput_speedup"):
+            tput = row(best, 16)["throughput_speedup"]
+            goals.append((f"{best}: throughput at c = 16 no worse than no speculation",
+                          f"{tput:.2f}x", tput >= 1.0))
+    if not goals:
+        return []
+    return ["", "Issue 13's serving goals, from this run:", "", "| goal | measured | met |",
+            "|---|---|---|", *(f"| {g} | {m} | {'yes' if ok else 'no'} |" for g, m, ok in goals)]
 
 
 def overall_per_position(result: dict) -> list[float]:

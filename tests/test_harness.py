@@ -90,6 +90,9 @@ def test_sweep_reports_every_field_and_survives_a_failed_server(
     assert out.with_name("bench-acceptance.png").stat().st_size > 10_000
     report = out.with_suffix(".md").read_text()
     assert "| ngram | 2 |" in report and "Engine settings read back" in report
+    assert [data["configurations"][n]["kind"] for n in ("broken", "none", "ngram")] == [
+        "kvshot", "none", "ngram"]
+    assert "| ngram: TPOT speedup at c = 1 at least 0.75x its acceptance length |" in report
     assert report.rstrip().splitlines()[-1].startswith("Machine: ")
 
 
@@ -162,3 +165,33 @@ def test_vllm_bench_serve_agrees_with_the_harness(target_fp32, data_dir, heldout
     assert theirs["spec_decode_acceptance_length"] == pytest.approx(ours["mat"], rel=1e-12)
     assert theirs["spec_decode_per_position_acceptance_rates"] == pytest.approx(
         ours["per_position"], rel=1e-12)
+
+
+def test_goal_lines_judge_each_goal_from_the_run() -> None:
+    """Issue 13's goals are judged from the run's own rows: ngram's TPOT speedup against its
+    MAT, the best plugin drafter against 1.5x and against stock EAGLE-3, its c = 16 throughput;
+    a goal whose configurations are missing or failed is left out."""
+    from kvshot_vllm.harness import goal_lines
+
+    def result(kind, **levels):
+        return {"kind": kind, "failed": None, "levels": {
+            str(c): dict(zip(("tpot_speedup", "mat", "throughput_speedup"), v))
+            for c, v in ((int(k[1:]), v) for k, v in levels.items())}}
+
+    results = {"none": result("none", c1=(1.0, None, 1.0)),
+               "ngram": result("ngram", c1=(1.6, 2.0, 1.5)),
+               "hidden": result("stock", c1=(1.24, 1.4, 1.2)),
+               "hybrid": result("kvshot", c1=(1.1, 1.5, 1.0), c16=(0.5, 1.5, 0.7)),
+               "block": result("kvshot", c1=(1.3, 1.4, 1.2), c16=(0.9, 1.4, 1.1)),
+               "kv": {**result("kvshot", c1=(2.0, 2.0, 2.0)), "failed": "died"}}
+    table = {line.split(" | ")[0].lstrip("| "): line.rsplit(" | ", 2)[1:]
+             for line in goal_lines(results) if line.startswith("| ") and "---" not in line}
+    assert table["ngram: TPOT speedup at c = 1 at least 0.75x its acceptance length"] == [
+        "1.60x at MAT 2.00: 0.80x", "yes |"]
+    assert table["best plugin drafter (block): TPOT at c = 1 at least 1.5x no speculation"] == [
+        "1.30x", "no |"]
+    assert table["block: TPOT at c = 1 above stock EAGLE-3 (hidden)"] == [
+        "1.30x against 1.24x", "yes |"]
+    assert table["block: throughput at c = 16 no worse than no speculation"] == ["1.10x", "yes |"]
+    assert len(table) == 5  # the header and four goals: the failed kv drafter is not "best"
+    assert goal_lines({"none": results["none"]}) == []
