@@ -7,7 +7,10 @@
 
 Drafting cost does not depend on the weights, so untrained drafters are measured.
 
-    python bench/drafter_cost.py [--k 3] [--out bench/results/drafter_cost]
+With `--torch-matmul-too`, the plugin's drafters are also served as before their decode
+kernels (`KVSHOT_TORCH_MATMUL=1`: projections unfused, torch's matmul), in the same run.
+
+    python bench/drafter_cost.py [--k 3] [--torch-matmul-too] [--out bench/results/drafter_cost]
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pathlib import Path
 
 from kvshot_vllm.models.registry import paradigm_names
 from kvshot_vllm.results import write_results
+from kvshot_vllm.serving.drafter import TORCH_MATMUL_ENV
 
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # timer installed by rpc
 
@@ -97,6 +101,8 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--torch-matmul-too", action="store_true",
+                    help="also serve the plugin's drafters unfused on torch's matmul")
     ap.add_argument("--out", default="bench/results/drafter_cost")
     a = ap.parse_args()
 
@@ -115,6 +121,13 @@ def main() -> None:
         runs[label] = measure(target, data_dir, drafters[name], a.k, a.max_tokens,
                               a.max_model_len)
         print(label, runs[label], flush=True)
+        if a.torch_matmul_too and name != "hidden":
+            os.environ[TORCH_MATMUL_ENV] = "1"
+            try:
+                runs[f"{label} (torch matmul)"] = measure(target, data_dir, drafters[name], a.k,
+                                                          a.max_tokens, a.max_model_len)
+            finally:
+                del os.environ[TORCH_MATMUL_ENV]
 
     base, stock = runs["no speculation"], runs["stock EAGLE-3 (hidden-only)"]
     for r in runs.values():

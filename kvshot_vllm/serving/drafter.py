@@ -25,6 +25,7 @@ one training runs; this module gives it vLLM's paged attention (`PagedAttention`
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -200,10 +201,19 @@ def _block_metadata(layer_names: list[str]) -> Iterator[None]:
         mds.update(saved)
 
 
+# Set to 1: the plugin's layers are served as training runs them, unfused on torch's matmul
+# (for side-by-side cost measurements: bench/drafter_cost.py --torch-matmul-too).
+TORCH_MATMUL_ENV = "KVSHOT_TORCH_MATMUL"
+
+
 def fuse_for_decoding(modules: Iterable[nn.Module]) -> None:
     """Once the weights are loaded: projections that read the same input in one matmul each
     (q/k/v, gate/up), every matmul on the platform's kernels (`use_platform_gemm`). A decode
     pass has a few rows, so each matmul costs about a read of its weights plus a call."""
+    if os.environ.get(TORCH_MATMUL_ENV) == "1":
+        logger.warning("kvshot: %s=1: the drafter's layers run unfused on torch's matmul",
+                       TORCH_MATMUL_ENV)
+        return
     modules = list(modules)
     for module in modules:
         for part in module.modules():
