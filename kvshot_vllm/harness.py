@@ -92,6 +92,11 @@ def load_configs(names: list[str], configs_dir: Path, k: int,
             spec, plugin = json.loads(file.read_text()), name != STOCK_EAGLE3
         if spec is not None:
             spec["num_speculative_tokens"] = k
+            # a batch-size schedule (vLLM's dynamic speculation) drafts k where it drafts at all
+            if spec.get("num_speculative_tokens_per_batch_size"):
+                spec["num_speculative_tokens_per_batch_size"] = [
+                    [lo, hi, k if n else 0]
+                    for lo, hi, n in spec["num_speculative_tokens_per_batch_size"]]
             if models and name in models:
                 spec["model"] = models[name]
             if "model" in spec and not (Path(spec["model"]) / "config.json").is_file():

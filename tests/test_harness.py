@@ -195,3 +195,11 @@ def test_goal_lines_judge_each_goal_from_the_run() -> None:
     assert table["block: throughput at c = 16 no worse than no speculation"] == ["1.10x", "yes |"]
     assert len(table) == 5  # the header and four goals: the failed kv drafter is not "best"
     assert goal_lines({"none": results["none"]}) == []
+
+
+def test_a_batch_size_schedule_drafts_the_bench_k() -> None:
+    """The shipped configs speculate only at small batch sizes (vLLM's
+    num_speculative_tokens_per_batch_size); `--k` sets how many tokens they draft there."""
+    spec = load_configs(["hybrid"], Path("serving_configs"), 5)["hybrid"].speculative
+    assert spec["num_speculative_tokens"] == 5
+    assert spec["num_speculative_tokens_per_batch_size"] == [[1, 1, 5], [2, 2, 0]]

@@ -181,6 +181,23 @@ def test_lossless_compiled(paradigm, compiled_baseline, target_fp32, data_dir, p
     assert counters["num_drafts"] > 0
 
 
+# vLLM's dynamic speculation, which the shipped serving configs use to stop speculating above a
+# batch size: under chunked prefill the prompts start decoding a few at a time, so the batch
+# crosses the threshold and proposals stop and resume mid-request. The oracle (KV-reuse path,
+# every draft right if its reads are) and the block drafter (its one-pass path) stay lossless.
+@pytest.mark.parametrize("paradigm", ["oracle", "block"])
+def test_lossless_with_speculation_off_above_a_batch_size(paradigm, baseline, k3_runs, target_fp32,
+                                                          data_dir, prompts, drafters) -> None:
+    schedule = {"num_speculative_tokens_per_batch_size": [[1, 2, 3], [3, 3, 0]]}
+    tokens, counters, _ = generate(target_fp32, data_dir, prompts,
+                                   {**served_spec(drafters[paradigm], 3), **schedule})
+    assert tokens == baseline[0]
+    drafts = counters["num_drafts"]
+    assert 0 < drafts < 0.8 * k3_runs(paradigm)[1]["num_drafts"], drafts
+    if paradigm == "oracle":
+        assert min(counters["num_accepted_tokens_per_pos"]) >= 0.99 * drafts, counters
+
+
 def test_hybrid_cross_layers_add_no_cache(k3_runs) -> None:
     """The hybrid's only cache is its EAGLE-3 layer's: as many blocks as hidden-only."""
     assert k3_runs("hybrid")[2] == k3_runs("hidden")[2]
