@@ -18,7 +18,7 @@ from transformers import LlamaConfig
 from kvshot_vllm.errors import KVShotError
 from kvshot_vllm.models.config import TargetSpec, validated
 from kvshot_vllm.models.drafter import Drafter, TargetFeatures
-from kvshot_vllm.models.parallel import TensorParallel, tensor_parallel
+from kvshot_vllm.models.parallel import Linear, TensorParallel, tensor_parallel
 from kvshot_vllm.models.registry import paradigm_names
 from kvshot_vllm.models.weights import init_weights
 
@@ -51,6 +51,14 @@ class ThreadAllReduce:
             return total
 
         return all_reduce
+
+
+def _one_at_a_time(gemm, lock: threading.Lock):
+    def locked(*args):
+        with lock:
+            return gemm(*args)
+
+    return locked
 
 
 def drafter_of(paradigm: str, options: dict, hf: LlamaConfig,
@@ -101,8 +109,14 @@ def test_sharded_ranks_draft_what_the_unsharded_drafter_drafts(paradigm, options
     ranks = [drafter_of(paradigm, options, hf, TensorParallel(r, size, reduce.of_rank(r)))
              for r in range(size)]
     if fuse:
+        # vLLM's CPU kernels are not safe to call from several threads at once (a served rank is
+        # a process of its own): here the ranks are threads, so their matmuls take turns.
+        lock = threading.Lock()
         for rank in ranks:
             fuse_for_decoding([rank])
+            for linear in rank.modules():
+                if isinstance(linear, Linear):
+                    linear.gemm = _one_at_a_time(linear.gemm, lock)
     attn = next(m for n, m in ranks[0].named_modules() if n.endswith(("self_attn", "cross")))
     assert (attn.heads, attn.kv_heads) == (hf.num_attention_heads // size,
                                            hf.num_key_value_heads // size)

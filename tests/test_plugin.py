@@ -141,9 +141,10 @@ def served_spec(drafter: Path, k: int) -> dict:
 SERVED = [*paradigm_names(), "block-ssm", "oracle"]
 
 
-# The shipped hybrid's losslessness is served compiled, as users serve it (below).
+# The shipped hybrid's losslessness is served compiled, as users serve it (below); the plain
+# block drafter's one-pass path is block-ssm's without the mixer.
 @pytest.mark.parametrize("paradigm", [
-    pytest.param(p, marks=pytest.mark.slow) if p == "shipped-hybrid" else p
+    pytest.param(p, marks=pytest.mark.slow) if p in ("shipped-hybrid", "block") else p
     for p in [*SERVED, *SHIPPED]])
 def test_lossless_k3(paradigm, baseline, k3_runs, drafters) -> None:
     tokens, counters, blocks = k3_runs(paradigm)
@@ -185,7 +186,7 @@ def test_lossless_compiled(paradigm, compiled_baseline, target_fp32, data_dir, p
 # batch size: under chunked prefill the prompts start decoding a few at a time, so the batch
 # crosses the threshold and proposals stop and resume mid-request. The oracle (KV-reuse path,
 # every draft right if its reads are) and the block drafter (its one-pass path) stay lossless.
-@pytest.mark.parametrize("paradigm", ["oracle", "block"])
+@pytest.mark.parametrize("paradigm", ["oracle", pytest.param("block", marks=pytest.mark.slow)])
 def test_lossless_with_speculation_off_above_a_batch_size(paradigm, baseline, k3_runs, target_fp32,
                                                           data_dir, prompts, drafters) -> None:
     schedule = {"num_speculative_tokens_per_batch_size": [[1, 2, 3], [3, 3, 0]]}
