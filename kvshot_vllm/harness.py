@@ -18,6 +18,7 @@ several tokens). Speedups are against no speculation at the same level, in the s
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import platform
@@ -41,6 +42,13 @@ class BenchConfig:
     speculative: dict[str, Any] | None
     plugin: bool = True  # False: serve without the kvshot plugin (stock vLLM)
 
+    @functools.cached_property
+    def drafter_hf_config(self) -> dict[str, Any] | None:
+        """The EAGLE-3 drafter checkpoint's config.json; None for other configurations."""
+        if self.speculative is None or self.speculative.get("method") != "eagle3":
+            return None
+        return json.loads((Path(self.speculative["model"]) / "config.json").read_text())
+
     @property
     def kind(self) -> str:
         """What drafts: "none", "ngram", "stock" (vLLM's own EAGLE-3 layers: a hidden-only
@@ -49,17 +57,17 @@ class BenchConfig:
 
         if self.speculative is None:
             return "none"
-        if self.speculative.get("method") != "eagle3":
+        cfg = self.drafter_hf_config
+        if cfg is None:
             return str(self.speculative.get("method"))
-        cfg = json.loads((Path(self.speculative["model"]) / "config.json").read_text())
         return "kvshot" if KVSHOT_ARCH in cfg.get("architectures", []) else "stock"
 
     def drafter_kv_bytes_per_token(self, dtype_bytes: int) -> int | None:
         """KV cache bytes per token the drafter's own layers add: its self-attention layers'
         (`num_hidden_layers`); KV-reuse layers add none."""
-        if self.speculative is None or self.speculative.get("method") != "eagle3":
+        cfg = self.drafter_hf_config
+        if cfg is None:
             return 0
-        cfg = json.loads((Path(self.speculative["model"]) / "config.json").read_text())
         return (cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * cfg["head_dim"]
                 * dtype_bytes)
 

@@ -114,9 +114,13 @@ def test_sharded_ranks_draft_what_the_unsharded_drafter_drafts(paradigm, options
         lock = threading.Lock()
         for rank in ranks:
             fuse_for_decoding([rank])
-            for linear in rank.modules():
-                if isinstance(linear, Linear):
-                    linear.gemm = _one_at_a_time(linear.gemm, lock)
+            linears = [m for m in rank.modules() if isinstance(m, Linear)]
+            # layers computed inside a fused one get no packed copy of their weights
+            packed = [m.gemm is not torch.nn.functional.linear for m in linears]
+            assert packed == [not m.fused_away for m in linears] and any(packed)
+            assert any(m.fused_away for m in linears)
+            for linear in linears:
+                linear.gemm = _one_at_a_time(linear.gemm, lock)
     attn = next(m for n, m in ranks[0].named_modules() if n.endswith(("self_attn", "cross")))
     assert (attn.heads, attn.kv_heads) == (hf.num_attention_heads // size,
                                            hf.num_key_value_heads // size)

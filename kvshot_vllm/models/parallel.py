@@ -72,6 +72,9 @@ class Linear(nn.Linear):
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__(in_features, out_features, bias=False)
+        # Computed inside a `fused` layer: its own weight is kept (its checkpoint name) but
+        # no longer multiplied with.
+        self.fused_away = False
         self.gemm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] = (
             F.linear)
 
@@ -87,6 +90,8 @@ def fused(*linears: Linear) -> Linear:
     out = Linear(weight.shape[1], weight.shape[0]).to(weight)
     with torch.no_grad():
         out.weight.copy_(weight)
+    for m in linears:
+        m.fused_away = True
     return out
 
 

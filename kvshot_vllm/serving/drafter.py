@@ -226,13 +226,14 @@ def use_platform_gemm(modules: Iterable[nn.Module]) -> None:
     """On a CPU, the drafter's linear layers multiply with the kernels vLLM's own layers use
     there (`dispatch_cpu_unquantized_gemm`: oneDNN or sgl with the weights prepacked): at a
     draft pass's row counts a median 2.4x torch's bf16 matmul (`python bench/cpu_gemm.py`).
-    Call once the weights are final: the kernels read a packed copy. On GPUs torch's matmul
+    Call once the weights are final: the kernels read a packed copy (none is made of a layer
+    computed inside a fused one). On GPUs torch's matmul
     is vLLM's too."""
     if not current_platform.is_cpu():
         return
     for module in modules:
         for linear in module.modules():
-            if isinstance(linear, Linear):
+            if isinstance(linear, Linear) and not linear.fused_away:
                 dispatch_cpu_unquantized_gemm(linear, remove_weight=False)
                 linear.gemm = linear.cpu_linear
 
