@@ -160,13 +160,15 @@ def _default_device() -> str:
 
 
 def _multi_view(a: argparse.Namespace) -> dict | None:
-    """--multi-view [TOKENS:P ...], --view-block-size and --view-draft-cache as
+    """--multi-view [TOKENS:P ...], --view-block-size, --view-draft-cache and --view-policy as
     TrainConfig.multi_view."""
     if a.multi_view is None:
         return None
     fields: dict = {"block_size": a.view_block_size} if a.view_block_size else {}
     if a.view_draft_cache:
         fields["draft_cache"] = True
+    if a.view_policy:
+        fields["policy"] = a.view_policy
     if a.multi_view:
         try:
             fields["budgets"] = {int(t): float(p) for t, p in
@@ -178,14 +180,14 @@ def _multi_view(a: argparse.Namespace) -> dict | None:
 
 
 def _kv_budget(a: argparse.Namespace) -> dict | None:
-    """--kv-budget TOKENS [--memory CHUNK:SLOTS --memory-caches C], --view-block-size and
-    --view-draft-cache as DrafterConfig.kv_budget."""
+    """--kv-budget TOKENS [--memory CHUNK:SLOTS --memory-caches C], --view-block-size,
+    --view-draft-cache and --view-policy as DrafterConfig.kv_budget."""
     if a.kv_budget is None:
         if a.memory:
             raise KVShotError("--memory summarises what a view leaves out: give --kv-budget")
         return None
     budget = {"tokens": a.kv_budget, "block_size": a.view_block_size or 32,
-              "draft_cache": a.view_draft_cache}
+              "draft_cache": a.view_draft_cache, "policy": a.view_policy or "streaming"}
     if a.memory:
         try:
             chunk, slots = (int(x) for x in a.memory.split(":"))
@@ -242,16 +244,18 @@ def cmd_diagnose(a: argparse.Namespace) -> None:
     from kvshot_vllm.training.diagnostics import diagnose, write_report
     from kvshot_vllm.training.pipeline import feature_spec, features_for, sequence_limit
 
-    budgets = []  # (tokens, own cache too)
+    budgets = []  # (tokens, own cache too, policy)
     for item in a.kv_budgets or []:
-        tokens, own = item.removesuffix("+own"), item.endswith("+own")
-        if not tokens.isdigit():
-            raise KVShotError(f"--kv-budgets takes TOKENS or TOKENS+own, got {item}")
-        budgets += [(int(tokens), True)] if own else [
-            (int(tokens), o) for o in sorted({False, a.view_draft_cache})]
+        tokens, _, kind = item.partition("+")
+        if not tokens.isdigit() or kind not in ("", "own", "retrieval"):
+            raise KVShotError(f"--kv-budgets takes TOKENS, TOKENS+own or TOKENS+retrieval, "
+                              f"got {item}")
+        policy = "retrieval" if kind == "retrieval" else "streaming"
+        budgets += [(int(tokens), o, policy) for o in (
+            [True] if kind == "own" else sorted({False, a.view_draft_cache and not kind}))]
     try:
-        views = [KVBudget(tokens=t, block_size=a.view_block_size, draft_cache=own)
-                 for own in (False, True) for t, o in budgets if o == own]
+        views = [KVBudget(tokens=t, block_size=a.view_block_size, draft_cache=own, policy=policy)
+                 for own in (False, True) for t, o, policy in budgets if o == own]
     except ValidationError as exc:
         raise KVShotError("--kv-budgets: " + first_validation_error(exc)[1]) from None
     data_dir, target, dataset = _training_inputs(a)
@@ -482,7 +486,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "256:0.4 512:0.3 1024:0.2 2048:0.1), aligned with the full view by KL "
                    "(weight 0.5)")
     p.add_argument("--kv-budget", type=int, metavar="TOKENS",
-                   help="train the drafter under a streaming view of this many verified keys "
+                   help="train the drafter under a sparse view of this many verified keys "
                    "(`kv_budget`), the view it will be served with")
     p.add_argument("--memory", metavar="CHUNK:SLOTS",
                    help="with --kv-budget: summarise each left-out chunk of CHUNK keys in SLOTS "
@@ -503,6 +507,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--view-draft-cache", action="store_true",
                    help="multi-view and --kv-budget: the views also cover the drafter's own "
                    "self-attention cache (a hybrid's EAGLE-3 layer)")
+    p.add_argument("--view-policy", choices=["streaming", "retrieval"],
+                   help="multi-view and --kv-budget: which blocks a view keeps: streaming "
+                   "(default: sink block and recent window) or retrieval (sink, two recent "
+                   "blocks, and the blocks between them whose mean key best matches the "
+                   "drafter's query)")
     p.add_argument("--name", help="run name (default: PARADIGM-NL-PRESET)")
     p.add_argument("--out", help="run directory (default: DATA_DIR/runs/NAME)")
     p.set_defaults(func=cmd_train)
@@ -541,10 +550,12 @@ def build_parser() -> argparse.ArgumentParser:
     forward_dtype(p)
     p.add_argument("checkpoints", nargs="+", metavar="[NAME=]CHECKPOINT")
     p.add_argument("--steps", type=int, default=7, help="draft chain length (default 7)")
-    p.add_argument("--kv-budgets", nargs="+", metavar="TOKENS[+own]",
+    p.add_argument("--kv-budgets", nargs="+", metavar="TOKENS[+own|+retrieval]",
                    help="also diagnose every full-view KV-reuse drafter reading a sparse view "
                    "of the target's KV of each budget (NAME@TOKENS rows; sink block + recent "
-                   "window); TOKENS+own: a view of a hybrid's own cache too (NAME@TOKENS+own)")
+                   "window); TOKENS+own: a view of a hybrid's own cache too (NAME@TOKENS+own); "
+                   "TOKENS+retrieval: sink, two recent blocks and the best-scoring blocks "
+                   "between them (NAME@TOKENS+retrieval)")
     p.add_argument("--batch-size", type=int, default=4,
                    help="sequences per forward (default 4; 1 for prefixes of several thousand "
                    "tokens, whose attention scores take gigabytes)")

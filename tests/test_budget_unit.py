@@ -9,14 +9,16 @@ import pytest
 import torch
 
 from kvshot_vllm.errors import KVShotError
-from kvshot_vllm.models.budget import (KVBudget, left_out_blocks, view_block_table,
-                                       visible_keys)
+from kvshot_vllm.models.budget import (KVBudget, block_means, dropped_blocks, retrieve,
+                                       retrieved_block_table, view_block_table, visible_keys)
 from kvshot_vllm.models.config import validated
 from kvshot_vllm.models.layers import draft_attention
 from kvshot_vllm.serving.checks import check_against_target
 from tests.test_config_unit import SMOL
 
 BUDGET = KVBudget(tokens=16, sink_tokens=4, block_size=4)  # 1 sink block, 3 window blocks
+# 1 sink block, 2 recent blocks, 2 retrieved blocks
+RETRIEVAL = KVBudget(policy="retrieval", tokens=20, sink_tokens=4, block_size=4)
 
 
 def _blocks_in_view(verified: int, num_keys: int, budget: KVBudget = BUDGET) -> list[int]:
@@ -49,21 +51,74 @@ def test_view_holds_at_most_the_budget_and_every_draft(verified: int) -> None:
     assert keys[verified - 1]  # the last verified key, always
 
 
-def test_served_block_table_reads_exactly_the_visible_keys() -> None:
+def _retrieval_case(verified: torch.Tensor, width: int, seed: int = 0):
+    """One query row per request [n, 1, H, d], and its keys [n, KVH, T, d]."""
+    g = torch.Generator().manual_seed(seed)
+    n, h, kvh, d, bs = len(verified), 4, 2, 8, RETRIEVAL.block_size
+    query = torch.randn(n, 1, h, d, generator=g)
+    keys = torch.randn(n, kvh, width * bs, d, generator=g)
+    return query, keys
+
+
+def test_retrieval_view_keeps_sink_recent_window_and_the_best_scoring_blocks() -> None:
+    # 40 verified keys: blocks 0..9; sink 0, recent window 8..9, gap 1..7 holding 2 retrieved
+    verified = torch.tensor([[40]])
+    query, keys = _retrieval_case(verified, 12)
+    means = block_means(keys, RETRIEVAL)  # blocks 1..11
+    scores = torch.einsum("nkd,nkwd->nw", query.view(1, 2, 2, 8).sum(2), means)[0, :7]
+    best = sorted((scores.topk(2).indices + 1).tolist())
+    chosen = retrieve(query, means, verified, RETRIEVAL)[0]
+    assert chosen.tolist() == [best]
+    keys_seen = visible_keys(verified[0], 43, RETRIEVAL, chosen)[0]
+    blocks = sorted({i // 4 for i in keys_seen.nonzero().flatten().tolist()})
+    assert blocks == sorted({0, *best, 8, 9, 10})  # block 10: the drafts past V, always
+    # a block's score is its mean key's: raising one gap block's keys along the query moves
+    # the choice to it
+    worst = int(scores.argmin()) + 1
+    keys[0, :, worst * 4:(worst + 1) * 4] += 50 * query[0, 0].view(2, 2, 8).sum(1).unsqueeze(1)
+    assert worst in retrieve(query, block_means(keys, RETRIEVAL), verified, RETRIEVAL)[0, 0]
+
+
+@pytest.mark.parametrize("verified", range(1, 60))
+def test_retrieval_view_holds_at_most_the_budget_and_every_draft(verified: int) -> None:
+    v = torch.tensor([verified])
+    query, keys = _retrieval_case(v, 16, seed=verified)
+    chosen = retrieve(query, block_means(keys, RETRIEVAL), v.unsqueeze(1), RETRIEVAL)[0]
+    keys_seen = visible_keys(v, verified + 5, RETRIEVAL, chosen)[0]
+    assert keys_seen[verified:].all() and keys_seen[verified - 1]
+    seen = int(keys_seen[:verified].sum())
+    # a prefix whose gap fits the retrieved blocks is seen whole, and no view exceeds the budget
+    whole = verified <= RETRIEVAL.tokens - RETRIEVAL.block_size + 1
+    assert seen == verified if whole else (RETRIEVAL.tokens - RETRIEVAL.block_size < seen
+                                           <= RETRIEVAL.tokens)
+    assert seen == verified - int(dropped_blocks(v, RETRIEVAL)) * RETRIEVAL.block_size
+    assert ((chosen >= 0).all() or whole) and not (chosen >= RETRIEVAL.sink_blocks + (
+        verified // 4 - RETRIEVAL.window_blocks + 1)).any()  # only gap blocks are retrieved
+
+
+@pytest.mark.parametrize("budget", [BUDGET, RETRIEVAL], ids=["streaming", "retrieval"])
+def test_served_block_table_reads_exactly_the_visible_keys(budget: KVBudget) -> None:
     """Key i of a request's view (what vLLM's kernel reads through the view's block table, for
     the view's key count) is the i-th visible key of the full table."""
     torch.manual_seed(0)
-    bs, width = BUDGET.block_size, 24
+    bs, width = budget.block_size, 24
     verified = torch.tensor([1, 12, 16, 17, 30, 47, 80])
     num_keys = verified + 3  # the row carrying draft 2
     table = torch.stack([torch.randperm(1000)[:width] for _ in verified])
-    gap = left_out_blocks(verified, BUDGET)
-    view = view_block_table(table, gap, BUDGET)
+    dropped = dropped_blocks(verified, budget)
+    view = view_block_table(table, dropped, budget)
+    chosen = None
+    if budget.policy == "retrieval":
+        query, keys = _retrieval_case(verified, width)
+        chosen = retrieve(query, block_means(keys, budget), verified.unsqueeze(1),
+                          budget).squeeze(1)
+        retrieved_block_table(view, table, chosen, budget)
     for r in range(len(verified)):
         n = int(num_keys[r])
         slots = table[r, torch.arange(n) // bs] * bs + torch.arange(n) % bs
-        expected = slots[visible_keys(verified[r:r + 1], n, BUDGET)[0]]
-        view_len = n - int(gap[r]) * bs
+        expected = slots[visible_keys(verified[r:r + 1], n, budget,
+                                      None if chosen is None else chosen[r:r + 1])[0]]
+        view_len = n - int(dropped[r]) * bs
         served = view[r, torch.arange(view_len) // bs] * bs + torch.arange(view_len) % bs
         assert torch.equal(served, expected), r
 
@@ -96,7 +151,15 @@ def test_draft_attention_under_a_budget_ignores_keys_out_of_view() -> None:
     ({"paradigm": "kv", "kv_budget": {"policy": "oracle", "tokens": 128, "block_size": 32}},
      "kv_budget.policy: Input should be 'streaming'"),
     ({"paradigm": "kv", "kv_budget": {"tokens": 64, "sink_tokens": 32, "block_size": 32}},
-     "leave less than two blocks"),
+     r"the recent window \(32 tokens\) is less than two blocks of 32"),
+    ({"paradigm": "kv", "kv_budget": {"policy": "retrieval", "tokens": 96, "block_size": 32}},
+     r"a retrieval view of 96 tokens leaves no block to retrieve after its sink \(32\) and "
+     r"recent window \(64\)"),
+    ({"paradigm": "kv", "kv_budget": {"tokens": 256, "recent_tokens": 64, "block_size": 32}},
+     "recent_tokens is the retrieval policy's recent window"),
+    ({"paradigm": "hybrid", "kv_budget": {"policy": "retrieval", "tokens": 256,
+                                          "block_size": 32, "draft_cache": True}},
+     "draft_cache is not implemented for the retrieval policy"),
     ({"paradigm": "hidden", "kv_budget": {"tokens": 128, "block_size": 32}},
      "kv_budget: a hidden drafter reads no target KV"),
     ({"paradigm": "kv", "kv_budget": {"tokens": 128, "block_size": 32, "draft_cache": True}},
@@ -138,9 +201,10 @@ def test_cli_refuses_bad_views_before_reading_data() -> None:
     assert_one_line_error(run_kvshot("train", "--paradigm", "kv", "--multi-view", "256"),
                           "--multi-view takes TOKENS:PROBABILITY pairs")
     assert_one_line_error(run_kvshot("diagnose", "x=y", "--kv-budgets", "64"),
-                          "--kv-budgets: tokens 64 leave less than two blocks of 32")
+                          "--kv-budgets: the recent window (32 tokens) is less than two")
     assert_one_line_error(run_kvshot("diagnose", "x=y", "--kv-budgets", "128+mine"),
-                          "--kv-budgets takes TOKENS or TOKENS+own, got 128+mine")
+                          "--kv-budgets takes TOKENS, TOKENS+own or TOKENS+retrieval, got "
+                          "128+mine")
 
 
 def test_a_viewed_draft_cache_hides_the_hybrids_own_distant_keys() -> None:

@@ -36,6 +36,7 @@ ENGINE = dict(dtype="float32", max_model_len=512, enable_prefix_caching=True,
 NON_PADDED = {"disable_padded_drafter_batch": True}
 # Sparse views of the target's KV (issue 15): sink block + two recent blocks of 32 tokens.
 VIEW = {"tokens": 96, "sink_tokens": 32, "block_size": 32}
+RETRIEVAL_VIEW = {"policy": "retrieval", "tokens": 160, "sink_tokens": 32, "block_size": 32}
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +110,9 @@ def drafters(target_fp32: Path, tmp_path_factory) -> dict[str, Path]:
     paths["hybrid-budget"] = init_checkpoint(target_fp32, root / "hybrid-budget",
                                              paradigm="hybrid",
                                              kv_budget={**VIEW, "draft_cache": True})
+    # one block retrieved from the gap between sink and recent window
+    paths["kv-retrieval"] = init_checkpoint(target_fp32, root / "kv-retrieval", paradigm="kv",
+                                            kv_budget={**RETRIEVAL_VIEW, "tokens": 128})
     return {**paths, **SHIPPED}
 
 
@@ -228,13 +232,14 @@ def test_oracle_sabotage_shows_at_its_position(target_fp32, data_dir, prompts, b
     assert per_pos[2] >= 0.99 * per_pos[1], (per_pos, drafts)
 
 
-@pytest.mark.parametrize("paradigm", ["oracle", "hybrid-budget",
+@pytest.mark.parametrize("paradigm", ["oracle", "hybrid-budget", "kv-retrieval",
                                       pytest.param("kv", marks=pytest.mark.slow)])
 def test_lossless_under_preemption(paradigm, target_fp32, data_dir, prompts, long_baseline,
                                    drafters) -> None:
     """A KV cache too small for 16 growing requests: vLLM preempts and recomputes; every
     request still completes with the same tokens. The budgeted hybrid reads sparse views of
-    prefixes up to twice its budget, with prefix caching and chunked prefill on."""
+    prefixes up to twice its budget, the retrieval drafter chooses among the blocks between
+    sink and recent window, with prefix caching and chunked prefill on."""
     tokens, counters, blocks = generate(target_fp32, data_dir, prompts,
                                         spec(drafters[paradigm], 3, **NON_PADDED),
                                         max_tokens=PREEMPTION_TOKENS,
@@ -362,7 +367,10 @@ BUDGETED_DRAFTERS = {**{f"{name}-budget": {"paradigm": name, "kv_budget": VIEW}
                         for name in ("kv", "hybrid", "block")},
                      # the hybrid's own EAGLE-3 cache in view too
                      "hybrid-budget-draft": {"paradigm": "hybrid",
-                                             "kv_budget": {**VIEW, "draft_cache": True}}}
+                                             "kv_budget": {**VIEW, "draft_cache": True}},
+                     # sink, 2 recent blocks and the 2 best-scoring blocks between them
+                     **{f"{name}-retrieval": {"paradigm": name, "kv_budget": RETRIEVAL_VIEW}
+                        for name in ("kv", "block")}}
 
 
 @pytest.fixture(scope="module")
@@ -460,7 +468,8 @@ def test_tensor_parallel_ranks_draft_what_one_rank_drafts(name, tp_target, data_
 # budgeted KV-only and hybrid drafters' cross view is the block drafter's and the hybrid's with
 # its own cache in view: slow set.
 @pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.slow) if n in ("block", "kv-budget", "hybrid-budget")
+    pytest.param(n, marks=pytest.mark.slow)
+    if n in ("block", "kv-budget", "hybrid-budget", "block-retrieval")
     else n for n in [*PARITY_DRAFTERS, *BUDGETED_DRAFTERS]])
 def test_served_drafts_equal_training_side_drafts(name, target_fp32, data_dir, prompts,
                                                  tmp_path) -> None:
@@ -471,7 +480,9 @@ def test_served_drafts_equal_training_side_drafts(name, target_fp32, data_dir, p
     serving path computes the training math, and what the cross layers read in place from
     vLLM's paged cache is what transformers computes. Losslessness alone cannot show this: it
     holds for any drafter. Budgeted drafters read a sparse view through a shorter block table
-    in vLLM and a mask in training, over prefixes longer than the budget."""
+    in vLLM and a mask in training, over prefixes longer than the budget; a retrieval view's
+    blocks are chosen by the served query against the paged cache, and by the training query
+    against transformers' keys."""
     import torch
     from transformers import AutoModelForCausalLM
 

@@ -312,8 +312,9 @@ def test_curve_counts_the_tokens_of_a_shipped_drafter_it_started_from(tmp_path) 
     assert shipped_budget(tmp_path) == total
 
 
-@pytest.mark.parametrize("paradigm", ["kv", "hybrid", "block"])
-def test_multi_view_loss_adds_the_sparse_views_divergence(paradigm: str) -> None:
+@pytest.mark.parametrize("paradigm,policy", [("kv", "streaming"), ("hybrid", "streaming"),
+                                             ("block", "streaming"), ("kv", "retrieval")])
+def test_multi_view_loss_adds_the_sparse_views_divergence(paradigm: str, policy: str) -> None:
     """A view that holds the whole sequence adds nothing; a sparse one adds the KL of its chain
     from the full chain's, whose gradient reaches the drafter through the sparse branch only."""
     from kvshot_vllm.models.budget import KVBudget
@@ -321,12 +322,14 @@ def test_multi_view_loss_adds_the_sparse_views_divergence(paradigm: str) -> None
 
     drafter = tiny_drafter(paradigm).train()
     feats, labels, trainable, t2d = tiny_batch(drafter)
-    cfg = TrainConfig(steps=1, ttt_steps=3, multi_view=MultiView(budgets={12: 1.0}, block_size=4))
+    tokens = 12 if policy == "streaming" else 16  # retrieval: sink, 1 block, 2 recent blocks
+    cfg = TrainConfig(steps=1, ttt_steps=3,
+                      multi_view=MultiView(budgets={tokens: 1.0}, block_size=4, policy=policy))
     plain, accs = ttt_loss(drafter, feats, labels, trainable, cfg, t2d)
-    whole = KVBudget(tokens=40, block_size=4)
+    whole = KVBudget(tokens=40, block_size=4, policy=policy)
     same, same_accs = ttt_loss(drafter, feats, labels, trainable, cfg, t2d, whole)
     assert torch.equal(same, plain) and same_accs == accs
-    sparse = KVBudget(tokens=12, block_size=4)
+    sparse = KVBudget(tokens=tokens, block_size=4, policy=policy)
     total, sparse_accs = ttt_loss(drafter, feats, labels, trainable, cfg, t2d, sparse)
     assert sparse_accs == accs  # accuracy is the full view's
     assert total > plain

@@ -29,7 +29,8 @@ import torch
 import torch.nn as nn
 
 from kvshot_vllm.errors import KVShotError
-from kvshot_vllm.models.budget import CompressedMemory, KVBudget, kept_keys
+from kvshot_vllm.models.budget import (CompressedMemory, KVBudget, block_means, kept_keys,
+                                       retrieve)
 from kvshot_vllm.models.config import (DrafterConfig, TargetSpec, check_fits_target,
                                        load_drafter_config)
 from kvshot_vllm.models.layers import RMSNorm, SelectiveScan, draft_attention, rotate
@@ -48,6 +49,23 @@ class ChainKV:
     diag: list[list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)
     # per group: the compressed memory of the context (a view with a memory), made once
     memory: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+
+@dataclass
+class RetrievedBlocks:
+    """A retrieval view's choice for the current draft chain (`budget.retrieve`): made once, at
+    the chain's first step by its first attention over target K/V, and read by all of them."""
+
+    blocks: torch.Tensor | None = None  # [B, R, C] block indices, rows as at step 0
+
+    def choose(self, query: torch.Tensor, keys: torch.Tensor, view: KVBudget) -> torch.Tensor:
+        """query [B, R, H, d] of this step's rows, keys [B, KVH, T, d] (group 0's target
+        layer) -> the blocks of those rows' views [B, R, C]."""
+        r, t = query.shape[1], keys.shape[2]
+        if self.blocks is None:
+            verified = torch.arange(t - r + 1, t + 1, device=query.device)
+            self.blocks = retrieve(query, block_means(keys, view), verified, view)
+        return self.blocks[:, -r:]
 
 
 @dataclass
@@ -144,10 +162,12 @@ class DraftAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], chain: ChainKV,
                 ctx: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-                view: KVBudget | None = None) -> torch.Tensor:
+                view: KVBudget | None = None,
+                retrieved: RetrievedBlocks | None = None) -> torch.Tensor:
         """x [B, T, in] -> [B, T, hidden]. `ctx`: target K/V per group (cross-attention), or None
         for self-attention (the step-0 keys); `view`: the drafter's view (`budget.py`), of which
-        this attention reads its cache's part; None: all."""
+        this attention reads its cache's part; None: all. `retrieved`: the chain's choice of a
+        retrieval view, made here if not yet made."""
         b, t, _ = x.shape
         cos, sin = rope
         q, k, v = self.project(x)
@@ -163,7 +183,11 @@ class DraftAttention(nn.Module):
         ctx = ctx if ctx is not None else chain.ctx
         view = view.of_cache(target=self.target_layers is not None) if view else None
         memory = self.chain_memory(ctx, chain, view)
-        outs = [draft_attention(qs[g], ctx[g], [step[g] for step in chain.diag], view, memory[g])
+        blocks = None
+        if view is not None and view.policy == "retrieval":
+            blocks = retrieved.choose(qs[0], ctx[0][0], view)
+        outs = [draft_attention(qs[g], ctx[g], [step[g] for step in chain.diag], view, memory[g],
+                                blocks)
                 for g in range(self.groups)]
         return self.o_proj(torch.cat(outs, dim=-1))
 
@@ -268,8 +292,9 @@ class OfflineContext:
     (`feats`), in the drafter's view of it."""
 
     def __init__(self, drafter: "Drafter", positions: torch.Tensor, feats: TargetFeatures,
-                 chains: dict[nn.Module, ChainKV | ScanState]) -> None:
+                 chains: dict[nn.Module, ChainKV | ScanState], retrieved: RetrievedBlocks) -> None:
         self.drafter, self.positions, self.feats, self.chains = drafter, positions, feats, chains
+        self.retrieved = retrieved
 
     @cached_property
     def self_rope(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -286,7 +311,7 @@ class OfflineContext:
             return attn(x, self.self_rope, chain, view=view)
         ctx = attn.target_context([self.feats.target_kv[i] for i in attn.target_layers],
                                   self.drafter.rope)
-        return attn(x, self.cross_rope, chain, ctx=ctx, view=view)
+        return attn(x, self.cross_rope, chain, ctx=ctx, view=view, retrieved=self.retrieved)
 
     def mix(self, scan: SelectiveScan, x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
         return self.chains[scan].advance(scan, x, cond)
@@ -380,7 +405,7 @@ class Drafter(nn.Module):
         ids = feats.input_ids
         b, t = ids.shape
         hidden = self.fc(feats.aux_hidden) if self.cfg.spec.uses_aux_hidden else None
-        chains = self.new_chains()
+        chains, retrieved = self.new_chains(), RetrievedBlocks()
         outs = []
         for j in range(steps):
             start = 0 if j == 0 and self.cfg.spec.self_attention else first_row
@@ -391,7 +416,7 @@ class Drafter(nn.Module):
                 hidden = hidden[:, start - t:]
             embeds = self.definition.row_embeds(self, j, self.embed[tokens[:, start:]])
             out, hidden = self.definition.forward(
-                self, embeds, hidden, OfflineContext(self, positions, feats, chains))
+                self, embeds, hidden, OfflineContext(self, positions, feats, chains, retrieved))
             outs.append(self.norm(out))
         return outs
 

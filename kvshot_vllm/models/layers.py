@@ -73,7 +73,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 def draft_attention(q: torch.Tensor, ctx: tuple[torch.Tensor, torch.Tensor],
                     diag: list[tuple[torch.Tensor, torch.Tensor]],
                     budget: KVBudget | None = None,
-                    memory: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                    memory: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    retrieved: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one draft step, for every row of a sequence at once.
 
     Row p attends the context keys of rows 0..p (`ctx`: the target's cached K/V, or the
@@ -87,11 +88,12 @@ def draft_attention(q: torch.Tensor, ctx: tuple[torch.Tensor, torch.Tensor],
 
     With a `budget`, row p sees only the context keys in the view of its p + 1 verified keys
     (`budget.py`); its chain's keys are always in view. With the budget's memory, it also sees
-    the `memory` slots of the chunks its view leaves out.
+    the `memory` slots of the chunks its view leaves out; with a retrieval budget, the blocks
+    `retrieved` for its chain (`budget.retrieve`).
 
     q: [B, R, H, d]; ctx k, v: [B, KVH, T, d]; diag: list of (k, v) each [B, >= R, KVH, d];
-    memory k, v: [B, KVH, M, d], `slots` per chunk after the sink (`memory.ChunkMemory`).
-    Returns [B, R, H * d].
+    memory k, v: [B, KVH, M, d], `slots` per chunk after the sink (`memory.ChunkMemory`);
+    retrieved: [B, R, C] block indices. Returns [B, R, H * d].
     """
     b, r, h, d = q.shape
     ctx_k, ctx_v = ctx
@@ -103,7 +105,9 @@ def draft_attention(q: torch.Tensor, ctx: tuple[torch.Tensor, torch.Tensor],
     future = torch.ones(r, t, dtype=torch.bool, device=q.device).triu(t - r + 1)
     if budget is not None:
         verified = torch.arange(t - r + 1, t + 1, device=q.device)
-        future |= ~visible_keys(verified, t, budget)
+        future = future | ~visible_keys(verified, t, budget, retrieved)
+    if future.dim() == 3:  # per sequence (retrieval): [B, R, T] -> [B, 1, 1, R, T]
+        future = future[:, None, None]
     scores = scores.masked_fill(future, float("-inf"))
     keys, values = [scores], [ctx_v]
     if memory is not None:

@@ -14,7 +14,10 @@ subclass also gives the cross layers their own attention group in the proposer.
 For a block drafter, draft pass 0 also gets the metadata of its whole block (`_build_block`).
 A drafter with a `kv_budget` reads a sparse view of the target's cache: the same pages through
 a shorter block table (`_in_view`, `models/budget.py`); with `draft_cache`, a hybrid's EAGLE-3
-self-attention reads the same view of its own cache (`DraftCacheViewBuilderMixin`).
+self-attention reads the same view of its own cache (`DraftCacheViewBuilderMixin`). A retrieval
+view's length is known here, but which blocks it holds depends on the drafter's query: the
+drafter's first attention over target K/V chooses them in draft pass 0 (`RetrievalChoice`),
+writing them into that pass's view tables, and the later passes' tables are built with them.
 The contract between this builder and the drafter layers is `DraftKVPlan`
 (docs/architecture.md).
 """
@@ -27,10 +30,40 @@ from typing import Any
 
 import torch
 
-from kvshot_vllm.models.budget import KVBudget, left_out_blocks, view_block_table
+from kvshot_vllm.errors import KVShotError
+from kvshot_vllm.models.budget import (KVBudget, block_means, dropped_blocks, retrieve,
+                                       retrieved_block_table, view_block_table)
 from kvshot_vllm.models.config import DrafterConfig, load_drafter_config
 
 PAD_SLOT = -1
+
+
+@dataclasses.dataclass
+class RetrievalChoice:
+    """A retrieval view's blocks for one proposal (`budget.retrieve`): chosen once, in draft
+    pass 0, by the drafter's first attention over target K/V (the training side's choice: its
+    first group's query of each request's first draft row, against that layer's cache)."""
+
+    budget: KVBudget
+    verified: torch.Tensor  # [n] long: V per request
+    block_table: torch.Tensor  # [n, W]: the requests' whole block tables
+    view_tables: list[torch.Tensor]  # the view tables of pass 0's metadata, patched in place
+    blocks: torch.Tensor | None = None  # [n, C] block indices once chosen (-1: none)
+
+    def choose(self, query: torch.Tensor, attn) -> None:
+        """query [n, H, d] (rotated) of each request's first draft row; attn: the vLLM attention
+        layer reading the target layer's paged cache. A no-op once chosen (later layers, later
+        passes)."""
+        if self.blocks is not None:
+            return
+        budget, n = self.budget, self.verified.shape[0]
+        whole = budget.sink_blocks + int(dropped_blocks(self.verified, budget).max()) + (
+            budget.retrieved_blocks) if n else 0
+        keys = cached_keys(attn, self.block_table[:, :whole])
+        self.blocks = retrieve(query.unsqueeze(1), block_means(keys, budget),
+                               self.verified.unsqueeze(1), budget).squeeze(1)
+        for table in self.view_tables:
+            retrieved_block_table(table[:n], self.block_table, self.blocks, budget)
 
 
 @dataclasses.dataclass
@@ -45,6 +78,11 @@ class DraftKVPlan:
     write_rows: torch.Tensor  # [n] long: per request, the index of that row in the pass
     write_slots: torch.Tensor  # [n] long: its cache slot (position S - 1), PAD_SLOT past the
     #                            model length, where vLLM allocated nothing
+    # per request, the row carrying its first draft's token (the bonus token): the row whose
+    # query chooses a retrieval view
+    first_rows: torch.Tensor
+    # a retrieval view's choice (pass 0: still to be made)
+    retrieval: RetrievalChoice | None = None
     # Pass 0 of a one-block drafter: the metadata of its whole block (`block_layout`), whose
     # own plan writes every block row.
     block: Any | None = None
@@ -73,19 +111,20 @@ class ViewBuilderMixin:
 
     def _in_view(self, cad, verified: torch.Tensor):
         """`cad` with each request's block table and key counts cut to the drafter's view of
-        its V verified keys: nothing copied. The rows' keys all follow the left-out blocks, so
-        the kernel's causal bounds shift with the key counts. verified [n]."""
+        its V verified keys: nothing copied. The rows' keys all follow the dropped blocks, so
+        the kernel's causal bounds shift with the key counts. A retrieval view's table holds
+        the last blocks of the gap where its chosen ones go (`RetrievalChoice`). verified [n]."""
         budget = self._budget
         if budget is None:
             return cad
         n = cad.num_reqs
-        gap = torch.zeros(cad.block_table_tensor.shape[0], dtype=torch.long,
-                          device=verified.device)
-        gap[:n] = left_out_blocks(verified.long(), budget)
-        seq_lens = cad.seq_lens[:n] - (gap[:n] * budget.block_size).to(cad.seq_lens.dtype)
+        dropped = torch.zeros(cad.block_table_tensor.shape[0], dtype=torch.long,
+                              device=verified.device)
+        dropped[:n] = dropped_blocks(verified.long(), budget)
+        seq_lens = cad.seq_lens[:n] - (dropped[:n] * budget.block_size).to(cad.seq_lens.dtype)
         return dataclasses.replace(
             cad, seq_lens=seq_lens, max_seq_len=int(seq_lens.max()) if n else 0,
-            block_table_tensor=view_block_table(cad.block_table_tensor, gap, budget))
+            block_table_tensor=view_block_table(cad.block_table_tensor, dropped, budget))
 
     def _build_in_view(self, cad, verified: torch.Tensor):
         """The base builder's draft metadata for `cad` in the drafter's view (all of it without
@@ -115,6 +154,7 @@ class DraftKVBuilderMixin(ViewBuilderMixin):
     """Mixed into a backend's metadata builder; see the module docstring."""
 
     _block_pass = None  # a one-block drafter's pass-0 metadata, what its later passes get
+    _retrieval: RetrievalChoice | None = None  # a retrieval view's choice, this proposal's
 
     def build_for_drafting(self, common_attn_metadata, draft_index: int):
         if draft_index > 0 and self._block_rows and self._block_pass is not None:
@@ -130,12 +170,21 @@ class DraftKVBuilderMixin(ViewBuilderMixin):
         # draft pass j's last row carries the token at V + j (V: verified length)
         verified = seq_lens - 1 - draft_index
         md = self._build_in_view(cad, verified)
+        last_rows = cad.query_start_loc[1 : n + 1].long() - 1
+        if self._budget is not None and self._budget.policy == "retrieval":
+            if draft_index == 0:
+                self._retrieval = RetrievalChoice(self._budget, verified.long(),
+                                                  cad.block_table_tensor[:n], [md.block_table])
+            elif self._retrieval.blocks is not None:
+                retrieved_block_table(md.block_table[:n], cad.block_table_tensor[:n],
+                                      self._retrieval.blocks, self._budget)
         rows = self._block_rows
         md.kvshot_plan = DraftKVPlan(
-            write_rows=cad.query_start_loc[1 : n + 1].long() - 1,
+            write_rows=last_rows,
             write_slots=write_slots(cad.block_table_tensor[:n], seq_lens,
                                     self.kv_cache_spec.block_size,
                                     self.vllm_config.model_config.max_model_len),
+            first_rows=last_rows, retrieval=self._retrieval if draft_index == 0 else None,
             block=self._build_block(cad, rows, verified) if draft_index == 0 and rows else None)
         self._block_pass = md
         return md
@@ -157,8 +206,13 @@ class DraftKVBuilderMixin(ViewBuilderMixin):
             seq_lens_cpu_upper_bound=None if cad.seq_lens_cpu_upper_bound is None
             else lens.cpu())
         md = self._build_in_view(block, verified)
+        retrieval = self._retrieval
+        if retrieval is not None:
+            retrieval.view_tables.append(md.block_table)
         md.kvshot_plan = DraftKVPlan(write_rows=torch.arange(n * k, device=slots.device),
-                                     write_slots=slots)
+                                     write_slots=slots,
+                                     first_rows=torch.arange(n, device=slots.device) * k,
+                                     retrieval=retrieval)
         return md
 
 
@@ -202,6 +256,51 @@ def draft_backend(base_backend: type, mixin: type) -> type:
     builder = type(f"{prefix}{base_builder.__name__}", (mixin, base_builder), {})
     return type(f"{prefix}{base_backend.__name__}", (base_backend,),
                 {"get_builder_cls": staticmethod(lambda: builder), "__module__": __name__})
+
+
+def cached_keys(attn, blocks: torch.Tensor) -> torch.Tensor:
+    """The keys that `attn`'s paged cache holds in `blocks`. blocks [n, B] -> [n, KVH,
+    B * block_size, d]. Where a block's keys sit inside it is the backend's business (the CPU
+    kernels store them dimension-major); `key_positions` finds out from the backend itself."""
+    cache = attn.kv_cache
+    kv_heads, block_size, width = cache.shape[1:]
+    n, b = blocks.shape
+    picked = cache[blocks.long()].flatten(2)  # [n, B, KVH * block_size * 2d], logical order
+    keys = picked[..., key_positions(attn).flatten()].view(n, b, kv_heads, block_size, -1)
+    return keys.permute(0, 2, 1, 3, 4).reshape(n, kv_heads, b * block_size, width // 2)
+
+
+_key_positions: dict[tuple, torch.Tensor] = {}
+
+
+def key_positions(attn) -> torch.Tensor:
+    """Where the backend's cache update puts each key element inside a cache block, as an index
+    [KVH, block_size, d] into the block's flattened logical [KVH, block_size, 2d] tensor. Found
+    by writing probe keys (each element's head, token and dimension, one at a time: small
+    integers, exact in any float dtype) into a scratch block with `attn`'s own update."""
+    cache = attn.kv_cache
+    kv_heads, block_size, width = cache.shape[1:]
+    d = width // 2
+    cached = (type(attn.impl), kv_heads, block_size, width, cache.dtype, str(cache.device))
+    if cached not in _key_positions:
+        shape = (block_size, kv_heads, d)
+        slots = torch.arange(block_size, device=cache.device)
+        codes = []
+        for axis in (1, 0, 2):  # head, token, dimension
+            key = torch.arange(1, shape[axis] + 1, dtype=cache.dtype, device=cache.device)
+            key = key.view([-1 if i == axis else 1 for i in range(3)]).expand(shape).contiguous()
+            scratch = torch.zeros((1, *cache.shape[1:]), dtype=cache.dtype, device=cache.device)
+            attn.impl.do_kv_cache_update(attn, key, torch.zeros_like(key), scratch, slots)
+            codes.append(scratch.flatten().long() - 1)  # -1: not a key element
+        head, token, dim = codes
+        where = (head >= 0).nonzero().flatten()
+        if where.numel() != kv_heads * block_size * d:
+            raise KVShotError(f"kvshot: cannot locate the keys in {type(attn.impl).__name__}'s "
+                              f"cache blocks (a quantized KV cache?); retrieval views need them")
+        index = torch.empty(kv_heads, block_size, d, dtype=torch.long, device=cache.device)
+        index[head[where], token[where], dim[where]] = where
+        _key_positions[cached] = index
+    return _key_positions[cached]
 
 
 def platform_backend() -> type:

@@ -106,6 +106,10 @@ class TargetKVAttention(DraftAttention):
         outs = []
         for s, attn in enumerate(self.attn):
             plan = draft_plan(_metadata(attn.layer_name))
+            if plan is not None and plan.retrieval is not None:
+                # the first such layer's first group chooses a retrieval view's blocks
+                plan.retrieval.choose(q[plan.first_rows, s].view(-1, self.heads, self.head_dim),
+                                      attn)
             if plan is not None:
                 rows = plan.write_rows
                 attn.impl.do_kv_cache_update(attn, k[rows, s].contiguous(),

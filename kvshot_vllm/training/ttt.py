@@ -54,6 +54,8 @@ class MultiView(BaseModel):
     sink_tokens: int | None = None
     # the views also cover the drafter's own self-attention cache (`KVBudget.draft_cache`)
     draft_cache: bool = False
+    # which blocks a view keeps (`KVBudget.policy`)
+    policy: Literal["streaming", "retrieval"] = "streaming"
 
     @model_validator(mode="after")
     def _valid_views(self) -> "MultiView":
@@ -61,8 +63,12 @@ class MultiView(BaseModel):
             raise ValueError(f"budgets {self.budgets}: give at least one, each with a "
                              f"probability > 0")
         for tokens in self.budgets:  # each must make a view
-            KVBudget(tokens=tokens, block_size=self.block_size, sink_tokens=self.sink_tokens)
+            self.view(tokens)
         return self
+
+    def view(self, tokens: int) -> KVBudget:
+        return KVBudget(tokens=tokens, block_size=self.block_size, sink_tokens=self.sink_tokens,
+                        draft_cache=self.draft_cache, policy=self.policy)
 
     def draw(self, seed: int, step: int) -> KVBudget:
         """The view of optimizer step `step`: a function of the step, so a resumed run draws
@@ -71,8 +77,7 @@ class MultiView(BaseModel):
         tokens = list(self.budgets)
         i = int(torch.multinomial(torch.tensor([self.budgets[t] for t in tokens]), 1,
                                   generator=g))
-        return KVBudget(tokens=tokens[i], block_size=self.block_size,
-                        sink_tokens=self.sink_tokens, draft_cache=self.draft_cache)
+        return self.view(tokens[i])
 
 
 class TrainConfig(BaseModel):
