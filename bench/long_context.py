@@ -6,8 +6,9 @@ For each configuration one engine runs every bucket (`step_profile.profile`, the
 timing decode steps: each prompt is prefilled first and then served from the prefix cache. The
 configurations: no speculation, stock EAGLE-3 with the shipped hidden-only drafter (its own
 draft cache covers the whole prefix), and the KV-only and hybrid drafters reading the target's
-cache in place, each with the full view and with a `--budget`-token view, and the hybrid also
-with that view of its own EAGLE-3 cache (@B+own, `KVBudget.draft_cache`). Drafting time
+cache in place, each with the full view and with a `--budget`-token view (streaming, @B, and
+retrieval, @B+retrieval), and the hybrid also with the streaming view of its own EAGLE-3 cache
+(@B+own, `KVBudget.draft_cache`). Drafting time
 does not depend on the weights, so the plugin's drafters are untrained; `--trained NAME=DIR`
 adds a trained KV-reuse drafter as it is (NAME) and with the `--budget`-token views (NAME@B,
 and NAME@B+own for a hybrid), for the acceptance side (item 4): tokens per step and acceptance
@@ -27,6 +28,8 @@ import multiprocessing
 import sys
 from pathlib import Path
 
+import torch
+
 from step_profile import profile
 
 BLOCK_SIZE = 32  # the smallest vLLM's CPU attention takes: the finest view
@@ -44,33 +47,36 @@ def plugin_drafters(target: Path, root: Path, budget: int) -> dict[str, Path]:
 
 
 def with_budgets(name: str, ckpt: Path, root: Path, budget: int) -> dict[str, Path]:
-    """Copies of a drafter whose config reads the target's KV through a `budget`-token
-    streaming view: NAME@B, and for a drafter with its own cache NAME@B+own, that view of its
-    cache too (weights as they are; no manifest, as the config is not the shipped one)."""
+    """Copies of a drafter whose config reads the target's KV through a `budget`-token view:
+    streaming (NAME@B) and retrieval (NAME@B+retrieval), and for a drafter with its own cache
+    NAME@B+own, the streaming view of its cache too (weights as they are; no manifest, as the
+    config is not the shipped one)."""
     import json
     import shutil
 
     from kvshot_vllm.models.config import load_drafter_config
 
-    views = {f"{name}@{budget}": False}
+    views = {f"{name}@{budget}": {},
+             f"{name}@{budget}+retrieval": {"policy": "retrieval"}}
     if load_drafter_config(ckpt).spec.self_attention:
-        views[f"{name}@{budget}+own"] = True
+        views[f"{name}@{budget}+own"] = {"draft_cache": True}
     out = {}
-    for view, draft_cache in views.items():
+    for view, fields in views.items():
         out[view] = root / view.replace("@", "-").replace("+", "-")
         out[view].mkdir(parents=True, exist_ok=True)
         for file in ckpt.glob("*.safetensors"):
             shutil.copyfile(file, out[view] / file.name)
         config = json.loads((ckpt / "config.json").read_text())
-        config["kvshot"]["kv_budget"] = {"tokens": budget, "block_size": BLOCK_SIZE,
-                                         "draft_cache": draft_cache}
+        config["kvshot"]["kv_budget"] = {"tokens": budget, "block_size": BLOCK_SIZE, **fields}
         (out[view] / "config.json").write_text(json.dumps(config, indent=2))
     return out
 
 
-def kv_bytes(ckpt: Path | None, prefix: int, dtype_bytes: int) -> tuple[int, int]:
+def kv_bytes(ckpt: Path | None, prefix: int, dtype_bytes: int, k: int) -> tuple[int, int]:
     """(draft-side cache bytes a request holds for its prefix, K/V bytes of the prefix one draft
-    step reads: the target's and its own cache's) of a drafter; (0, 0) without one."""
+    step reads: the target's and its own cache's, and a retrieval view's choice, which reads
+    one layer's keys of the gap once per proposal of k steps) of a drafter; (0, 0) without
+    one."""
     from kvshot_vllm.models.config import load_drafter_config
 
     if ckpt is None:
@@ -81,7 +87,13 @@ def kv_bytes(ckpt: Path | None, prefix: int, dtype_bytes: int) -> tuple[int, int
     view = prefix if budget is None else min(prefix, budget.tokens)
     own_view = view if budget is not None and budget.draft_cache else prefix
     own = cfg.eagle_layers * per_token
-    return own * prefix, own * own_view + len(cfg.kv_layers) * per_token * view
+    choice = 0
+    if budget is not None and budget.policy == "retrieval":
+        from kvshot_vllm.models.budget import left_out_blocks
+
+        gap = int(left_out_blocks(torch.tensor(prefix), budget)) * budget.block_size
+        choice = per_token // 2 * gap // k  # keys only
+    return own * prefix, own * own_view + len(cfg.kv_layers) * per_token * view + choice
 
 
 def main() -> None:
@@ -168,7 +180,7 @@ def main() -> None:
                   "|---|---|---|---|---|---|---|---|---|"]
         for name, by_level in runs.items():
             for b, r in by_level[level].items():
-                own, read = kv_bytes(drafters[name], int(lengths[b]), dtype_bytes)
+                own, read = kv_bytes(drafters[name], int(lengths[b]), dtype_bytes, a.k)
                 stage = r["stage_ms_per_step"]
                 mat = r.get("acceptance_length")
                 lines.append(f"| {name} | {lengths[b]:.0f} | {r['tokens_per_step']:.2f} | "
