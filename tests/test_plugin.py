@@ -232,8 +232,9 @@ def test_oracle_sabotage_shows_at_its_position(target_fp32, data_dir, prompts, b
     assert per_pos[2] >= 0.99 * per_pos[1], (per_pos, drafts)
 
 
-@pytest.mark.parametrize("paradigm", ["oracle", "hybrid-budget", "kv-retrieval",
-                                      pytest.param("kv", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("paradigm", ["oracle", "hybrid-budget",
+                                      *(pytest.param(p, marks=pytest.mark.slow)
+                                        for p in ("kv", "kv-retrieval"))])
 def test_lossless_under_preemption(paradigm, target_fp32, data_dir, prompts, long_baseline,
                                    drafters) -> None:
     """A KV cache too small for 16 growing requests: vLLM preempts and recomputes; every
@@ -465,11 +466,12 @@ def test_tensor_parallel_ranks_draft_what_one_rank_drafts(name, tp_target, data_
 
 
 # The plain block drafter's serving path is the block-ssm one's without the mixer, and the
-# budgeted KV-only and hybrid drafters' cross view is the block drafter's and the hybrid's with
-# its own cache in view: slow set.
+# streaming views of the budgeted KV-only, hybrid and block drafters are built by the builder
+# path that also builds the retrieval views (which then choose their blocks) and the hybrid's
+# viewed own cache: slow set.
 @pytest.mark.parametrize("name", [
     pytest.param(n, marks=pytest.mark.slow)
-    if n in ("block", "kv-budget", "hybrid-budget", "block-retrieval")
+    if n in ("block", "kv-budget", "hybrid-budget", "block-budget")
     else n for n in [*PARITY_DRAFTERS, *BUDGETED_DRAFTERS]])
 def test_served_drafts_equal_training_side_drafts(name, target_fp32, data_dir, prompts,
                                                  tmp_path) -> None:
