@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from kvshot_vllm.errors import KVShotError
-from kvshot_vllm.models.budget import (KVBudget, block_means, dropped_blocks, retrieve,
+from kvshot_vllm.models.budget import (KVBudget, dropped_blocks, left_out_blocks, retrieve,
                                        retrieved_block_table, view_block_table)
 from kvshot_vllm.models.config import DrafterConfig, load_drafter_config
 
@@ -57,11 +57,11 @@ class RetrievalChoice:
         if self.blocks is not None:
             return
         budget, n = self.budget, self.verified.shape[0]
-        whole = budget.sink_blocks + int(dropped_blocks(self.verified, budget).max()) + (
-            budget.retrieved_blocks) if n else 0
-        keys = cached_keys(attn, self.block_table[:, :whole])
-        self.blocks = retrieve(query.unsqueeze(1), block_means(keys, budget),
-                               self.verified.unsqueeze(1), budget).squeeze(1)
+        first = budget.sink_blocks
+        gap = int(left_out_blocks(self.verified, budget).max()) if n else 0
+        means = cached_key_means(attn, self.block_table[:, first:first + gap])
+        self.blocks = retrieve(query.unsqueeze(1), means, self.verified.unsqueeze(1),
+                               budget).squeeze(1)
         for table in self.view_tables:
             retrieved_block_table(table[:n], self.block_table, self.blocks, budget)
 
@@ -258,16 +258,18 @@ def draft_backend(base_backend: type, mixin: type) -> type:
                 {"get_builder_cls": staticmethod(lambda: builder), "__module__": __name__})
 
 
-def cached_keys(attn, blocks: torch.Tensor) -> torch.Tensor:
-    """The keys that `attn`'s paged cache holds in `blocks`. blocks [n, B] -> [n, KVH,
-    B * block_size, d]. Where a block's keys sit inside it is the backend's business (the CPU
-    kernels store them dimension-major); `key_positions` finds out from the backend itself."""
+def cached_key_means(attn, blocks: torch.Tensor) -> torch.Tensor:
+    """The mean key of each of `blocks` in `attn`'s paged cache (`budget.block_means`, read in
+    place). blocks [n, B] -> [n, KVH, B, d] fp32. Where a block's keys sit inside it is the
+    backend's business (the CPU kernels store them dimension-major); `key_positions` finds out
+    from the backend itself, and only those elements are read."""
     cache = attn.kv_cache
     kv_heads, block_size, width = cache.shape[1:]
     n, b = blocks.shape
-    picked = cache[blocks.long()].flatten(2)  # [n, B, KVH * block_size * 2d], logical order
-    keys = picked[..., key_positions(attn).flatten()].view(n, b, kv_heads, block_size, -1)
-    return keys.permute(0, 2, 1, 3, 4).reshape(n, kv_heads, b * block_size, width // 2)
+    # one gather of the key elements of the blocks (logical order, any strides)
+    index = blocks.long().unsqueeze(-1) * cache[0].numel() + key_positions(attn).flatten()
+    keys = torch.take(cache, index).view(n, b, kv_heads, block_size, width // 2)
+    return keys.float().mean(3).transpose(1, 2)
 
 
 _key_positions: dict[tuple, torch.Tensor] = {}
