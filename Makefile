@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 export KVSHOT_DATA_DIR ?= $(CURDIR)/data
 
 .PHONY: setup demo test test-slow clean-data data-scale data-scale-8k train-scale data-long \
-	memory-study train-block-scale
+	memory-study train-block-scale retrieval-study
 
 setup: $(VENV)/.setup-done
 $(VENV)/.setup-done: pyproject.toml scripts/setup.sh
@@ -101,6 +101,18 @@ memory-study: data-scale data-long
 	  $(MEMORY_DIAGNOSE) --kv-budgets 48+own 192+own 576+own --batch-size 1 \
 	    --dataset $(KVSHOT_DATA_DIR)/datasets/long-$${spec%:*} \
 	    --out results/memory-draft-long-$${spec%:*} || exit 1; \
+	done
+
+# Retrieval against streaming views of the target's cache (issue 15), offline, at equal budgets:
+# the shipped hybrid (trained on the full view) on each long-context bucket, its cross-attention
+# reading 128 or 256 verified target keys, streaming (sink + recent window) or retrieval (sink,
+# two recent blocks, the best-scoring blocks between them). Minutes per bucket.
+retrieval-study: data-long
+	for spec in $(LONG_BUCKETS); do \
+	  $(VENV)/bin/kvshot diagnose hybrid=drafters/smollm2-135m-instruct/hybrid \
+	    --kv-budgets 128 128+retrieval 256 256+retrieval --batch-size 1 --target $(SCALE_TARGET) \
+	    --forward-dtype bfloat16 --dataset $(KVSHOT_DATA_DIR)/datasets/long-$${spec%:*} \
+	    --out results/hybrid-retrieval-long-$${spec%:*} || exit 1; \
 	done
 
 clean-data:
