@@ -297,7 +297,7 @@ def key_positions(attn) -> torch.Tensor:
         head, token, dim = codes
         where = (head >= 0).nonzero().flatten()
         if where.numel() != kv_heads * block_size * d:
-            raise KVShotError(f"kvshot: cannot locate the keys in {type(attn.impl).__name__}'s "
+            raise KVShotError(f"cannot locate the keys in {type(attn.impl).__name__}'s "
                               f"cache blocks (a quantized KV cache?); retrieval views need them")
         index = torch.empty(kv_heads, block_size, d, dtype=torch.long, device=cache.device)
         index[head[where], token[where], dim[where]] = where
