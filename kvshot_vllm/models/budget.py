@@ -154,6 +154,12 @@ class KVBudget(BaseModel):
         return self.memory.chunk_tokens // self.block_size
 
 
+def rows_verified(num_keys: int, rows: int, device: torch.device | str) -> torch.Tensor:
+    """V of each of the last `rows` training rows over `num_keys` context positions: row p
+    (position p) drafts after p + 1 verified keys. -> [rows] long."""
+    return torch.arange(num_keys - rows + 1, num_keys + 1, device=device)
+
+
 def left_out_blocks(verified: torch.Tensor, budget: KVBudget) -> torch.Tensor:
     """Blocks between the sink and the recent window, per request: the view of V verified keys
     is blocks [0, sink) and [sink + gap, ...), plus (retrieval) the `retrieved_blocks` chosen

@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from kvshot_vllm.errors import KVShotError
 from kvshot_vllm.models.budget import (CompressedMemory, KVBudget, block_means, kept_keys,
-                                       retrieve)
+                                       retrieve, rows_verified)
 from kvshot_vllm.models.config import (DrafterConfig, TargetSpec, check_fits_target,
                                        load_drafter_config)
 from kvshot_vllm.models.layers import RMSNorm, SelectiveScan, draft_attention, rotate
@@ -63,8 +63,8 @@ class RetrievedBlocks:
         layer) -> the blocks of those rows' views [B, R, C]."""
         r, t = query.shape[1], keys.shape[2]
         if self.blocks is None:
-            verified = torch.arange(t - r + 1, t + 1, device=query.device)
-            self.blocks = retrieve(query, block_means(keys, view), verified, view)
+            self.blocks = retrieve(query, block_means(keys, view),
+                                   rows_verified(t, r, query.device), view)
         return self.blocks[:, -r:]
 
 

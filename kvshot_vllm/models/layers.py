@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kvshot_vllm.models.budget import KVBudget, memory_chunks, visible_keys
+from kvshot_vllm.models.budget import KVBudget, memory_chunks, rows_verified, visible_keys
 from kvshot_vllm.models.parallel import ColumnParallel, Linear, RowParallel, fused
 
 
@@ -104,7 +104,7 @@ def draft_attention(q: torch.Tensor, ctx: tuple[torch.Tensor, torch.Tensor],
     scores = torch.einsum("bkgrd,bksd->bkgrs", qg, ctx_k) * scale  # [B, KVH, G, R, T]
     future = torch.ones(r, t, dtype=torch.bool, device=q.device).triu(t - r + 1)
     if budget is not None:
-        verified = torch.arange(t - r + 1, t + 1, device=q.device)
+        verified = rows_verified(t, r, q.device)
         future = future | ~visible_keys(verified, t, budget, retrieved)
     if future.dim() == 3:  # per sequence (retrieval): [B, R, T] -> [B, 1, 1, R, T]
         future = future[:, None, None]

@@ -231,8 +231,7 @@ def use_platform_gemm(modules: Iterable[nn.Module]) -> None:
     there (`dispatch_cpu_unquantized_gemm`: oneDNN or sgl with the weights prepacked): at a
     draft pass's row counts a median 2.4x torch's bf16 matmul (`python bench/cpu_gemm.py`).
     Call once the weights are final: the kernels read a packed copy (none is made of a layer
-    computed inside a fused one). On GPUs torch's matmul
-    is vLLM's too."""
+    computed inside a fused one). On GPUs torch's matmul is vLLM's too."""
     if not current_platform.is_cpu():
         return
     for module in modules:
