@@ -75,8 +75,9 @@ def with_budgets(name: str, ckpt: Path, root: Path, budget: int) -> dict[str, Pa
 def kv_bytes(ckpt: Path | None, prefix: int, dtype_bytes: int, k: int) -> tuple[int, int]:
     """(draft-side cache bytes a request holds for its prefix, K/V bytes of the prefix one draft
     step reads: the target's and its own cache's, and a retrieval view's choice, which reads
-    one layer's keys of the gap once per proposal of k steps) of a drafter; (0, 0) without
-    one."""
+    one layer's mean key (fp32) of each block of the gap once per proposal of k steps; the
+    means are kept across proposals, so each block's keys are read once) of a drafter; (0, 0)
+    without one."""
     from kvshot_vllm.models.config import load_drafter_config
 
     if ckpt is None:
@@ -91,8 +92,8 @@ def kv_bytes(ckpt: Path | None, prefix: int, dtype_bytes: int, k: int) -> tuple[
     if budget is not None and budget.policy == "retrieval":
         from kvshot_vllm.models.budget import left_out_blocks
 
-        gap = int(left_out_blocks(torch.tensor(prefix), budget)) * budget.block_size
-        choice = per_token // 2 * gap // k  # keys only
+        gap = int(left_out_blocks(torch.tensor(prefix), budget))
+        choice = cfg.target.num_kv_heads * cfg.target.head_dim * 4 * gap // k
     return own * prefix, own * own_view + len(cfg.kv_layers) * per_token * view + choice
 
 

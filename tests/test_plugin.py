@@ -409,9 +409,11 @@ def random_drafter(target: Path, options: dict, out: Path) -> Path:
 
 
 def served_proposals(target: Path, drafter: Path | None, k: int, batch: list[list[int]],
-                     data_dir: Path, tp: int = 1, **engine) -> tuple[list[list[int]], list]:
+                     data_dir: Path, tp: int = 1, waves: int = 1,
+                     **engine) -> tuple[list[list[int]], list]:
     """Greedy outputs of `batch` and every proposal the engine made (`_record_proposals`), at
-    tensor-parallel size `tp` (one vLLM CPU rank per core); no speculation without a drafter."""
+    tensor-parallel size `tp` (one vLLM CPU rank per core); no speculation without a drafter.
+    The batch is served in `waves` consecutive parts, on one engine."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -425,9 +427,11 @@ def served_proposals(target: Path, drafter: Path | None, k: int, batch: list[lis
                        speculative_config=drafter and spec(drafter, k, **NON_PADDED))
         if drafter:
             llm.collective_rpc(_record_proposals)
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch],
-                            SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
-                            use_tqdm=False)
+        size = -(-len(batch) // waves)
+        outs = [out for i in range(0, len(batch), size) for out in llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in batch[i:i + size]],
+            SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+            use_tqdm=False)]
         proposals = llm.collective_rpc(_proposals)[0] if drafter else []
         del llm
     finally:
@@ -499,8 +503,17 @@ def test_served_drafts_equal_training_side_drafts(name, target_fp32, data_dir, p
     budget = cfg.kv_budget
     # budgeted: 4 prompts of about 250 tokens, the 16 prompts end to end
     batch = [sum(prompts[i::4], []) for i in range(4)] if budget else prompts[:6]
-    outs, served = served_proposals(target_fp32, ckpt, k, batch, data_dir,
-                                    **({"block_size": budget.block_size} if budget else {}))
+    engine = {"block_size": budget.block_size} if budget else {}
+    if budget and budget.policy == "retrieval":
+        # Two waves of two requests through a pool that holds one wave: the second wave's
+        # requests get blocks whose keys the first wave's choices read (the builder keeps each
+        # block's mean key across proposals, and must forget it when the block is rewritten).
+        need = [-(-(len(p) + MAX_TOKENS + k) // budget.block_size) for p in batch]
+        pool = max(need[0] + need[1], need[2] + need[3],
+                   ENGINE["max_model_len"] // budget.block_size) + 2
+        assert sum(need) > pool, (need, pool)
+        engine.update(waves=2, num_gpu_blocks_override=pool)
+    outs, served = served_proposals(target_fp32, ckpt, k, batch, data_dir, **engine)
     sequences = [p + o for p, o in zip(batch, outs)]
 
     drafter = load_drafter(ckpt, target_fp32).eval()

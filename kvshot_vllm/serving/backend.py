@@ -48,6 +48,7 @@ class RetrievalChoice:
     verified: torch.Tensor  # [n] long: V per request
     block_table: torch.Tensor  # [n, W]: the requests' whole block tables
     view_tables: list[torch.Tensor]  # the view tables of pass 0's metadata, patched in place
+    key_means: BlockKeyMeans  # the builder's, kept across proposals
     blocks: torch.Tensor | None = None  # [n, C] block indices once chosen (-1: none)
 
     def choose(self, query: torch.Tensor, attn) -> None:
@@ -59,11 +60,53 @@ class RetrievalChoice:
         budget, n = self.budget, self.verified.shape[0]
         first = budget.sink_blocks
         gap = int(left_out_blocks(self.verified, budget).max()) if n else 0
-        means = cached_key_means(attn, self.block_table[:, first:first + gap])
+        means = self.key_means.read(attn, self.block_table[:, first:first + gap])
         self.blocks = retrieve(query.unsqueeze(1), means, self.verified.unsqueeze(1),
                                budget).squeeze(1)
         for table in self.view_tables:
             retrieved_block_table(table[:n], self.block_table, self.blocks, budget)
+
+
+class BlockKeyMeans:
+    """The mean key of each block of a paged cache (`cached_key_means`), kept across proposals,
+    so that a retrieval choice reads one mean per block of a request's gap rather than all its
+    keys: a proposal computes only the means of blocks it has not seen (a new request's prompt,
+    a block that just left the recent window) and its cost stops growing with the context.
+
+    A block's keys change only when something writes them: the target, through the slots of
+    its step (`invalidate`, given them at every proposal's pass 0, before the choice), or a
+    drafter writing its own K/V at positions past the verified ones, which lie in the recent
+    window and which the target overwrites before the block can enter a gap. A freed block is
+    written by its next owner before it can be read (a prefix-cache hit reuses the same keys).
+    vLLM skips the proposal of a step with a request near max_model_len; the slots that step
+    wrote are not seen, so a block reallocated then may keep a stale mean: the retrieval choice
+    is worse, the output is not (every draft is verified)."""
+
+    def __init__(self) -> None:
+        # per cache (by its storage): means [num_blocks, KVH, d] fp32, fresh [num_blocks] bool
+        self._caches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def invalidate(self, slot_mapping: torch.Tensor, block_size: int) -> None:
+        """Forget the means of the blocks holding `slot_mapping`'s slots (PAD_SLOT: none)."""
+        blocks = torch.div(slot_mapping[slot_mapping >= 0], block_size, rounding_mode="floor")
+        for _, fresh in self._caches.values():
+            fresh[blocks.long()] = False
+
+    def read(self, attn, blocks: torch.Tensor) -> torch.Tensor:
+        """blocks [n, B] of `attn`'s cache -> their mean keys [n, KVH, B, d] fp32."""
+        cache = attn.kv_cache
+        if cache.data_ptr() not in self._caches:
+            num_blocks, kv_heads, _, width = cache.shape
+            self._caches[cache.data_ptr()] = (
+                torch.zeros(num_blocks, kv_heads, width // 2, device=cache.device),
+                torch.zeros(num_blocks, dtype=torch.bool, device=cache.device))
+        means, fresh = self._caches[cache.data_ptr()]
+        flat = blocks.flatten().long()
+        stale = flat[~fresh[flat]].unique()
+        if stale.numel():
+            means[stale] = cached_key_means(attn, stale[None])[0].transpose(0, 1)
+            fresh[stale] = True
+        return means[blocks.long()].transpose(1, 2)
 
 
 @dataclasses.dataclass
@@ -173,8 +216,11 @@ class DraftKVBuilderMixin(ViewBuilderMixin):
         last_rows = cad.query_start_loc[1 : n + 1].long() - 1
         if self._budget is not None and self._budget.policy == "retrieval":
             if draft_index == 0:
+                # pass 0's slots are those the target wrote in this step
+                self._key_means.invalidate(cad.slot_mapping, self.kv_cache_spec.block_size)
                 self._retrieval = RetrievalChoice(self._budget, verified.long(),
-                                                  cad.block_table_tensor[:n], [md.block_table])
+                                                  cad.block_table_tensor[:n], [md.block_table],
+                                                  self._key_means)
             elif self._retrieval.blocks is not None:
                 retrieved_block_table(md.block_table[:n], cad.block_table_tensor[:n],
                                       self._retrieval.blocks, self._budget)
@@ -188,6 +234,10 @@ class DraftKVBuilderMixin(ViewBuilderMixin):
             block=self._build_block(cad, rows, verified) if draft_index == 0 and rows else None)
         self._block_pass = md
         return md
+
+    @functools.cached_property
+    def _key_means(self) -> BlockKeyMeans:
+        return BlockKeyMeans()
 
     @functools.cached_property
     def _block_rows(self) -> int:
