@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 from pathlib import Path
 
@@ -10,9 +11,9 @@ from safetensors.torch import load_file
 
 from kvshot_vllm.errors import KVShotError
 from kvshot_vllm.models.config import TargetSpec, default_layers, load_drafter_config, validated
+from kvshot_vllm.models.drafter import check_drafter_weights, expected_shapes
 from kvshot_vllm.models.registry import choices_message
-from kvshot_vllm.models.weights import (check_drafter_weights, expected_shapes, init_weights,
-                                        save_checkpoint)
+from kvshot_vllm.models.weights import init_weights, save_checkpoint
 
 SMOL = TargetSpec(name="smol", hidden_size=576, vocab_size=49152, num_layers=30,
                   num_attention_heads=9, num_kv_heads=3, head_dim=64, rope_theta=1e5,
@@ -88,3 +89,42 @@ def test_not_a_kvshot_checkpoint(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     with pytest.raises(KVShotError, match="no 'kvshot' block"):
         load_drafter_config(tmp_path)
+
+
+def model_imports(path: Path) -> set[str]:
+    """The `kvshot_vllm.models` modules that `path` imports, at any depth (functions included),
+    except under `if TYPE_CHECKING:`, which annotations read and the interpreter never runs."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+            return
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("kvshot_vllm.models."):
+            found.add(node.module.rsplit(".", 1)[1])
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return found
+
+
+def test_model_modules_import_no_circle() -> None:
+    """The model modules form a layering: no module imports (even lazily, inside a function)
+    one that imports it back. The registry loads the paradigm modules by name
+    (`importlib`), which is how they register, not an import of theirs."""
+    root = Path(__file__).parents[1] / "kvshot_vllm" / "models"
+    graph = {p.stem: model_imports(p) for p in root.glob("*.py")}
+    assert graph["weights"] >= {"drafter", "files"}  # the walk sees what it should
+
+    def circle(start: str, module: str, path: tuple[str, ...]) -> tuple[str, ...] | None:
+        for dep in sorted(graph.get(module, ())):
+            if dep == start:
+                return path
+            if dep not in path:
+                found = circle(start, dep, (*path, dep))
+                if found:
+                    return found
+        return None
+
+    circles = [c for m in graph if (c := circle(m, m, (m,)))]
+    assert not circles, f"import circles among kvshot_vllm/models: {circles}"

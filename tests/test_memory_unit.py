@@ -124,7 +124,7 @@ def test_memory_keeps_what_a_plain_view_drops(paradigm: str, caches: str, spoil:
     ("draft", ["layers.0.self_attn.memory.bias", "layers.0.self_attn.memory.query"]),
 ])
 def test_adaptors_sit_on_the_caches_the_memory_summarises(caches: str, adaptors: list) -> None:
-    from kvshot_vllm.models.weights import expected_shapes
+    from kvshot_vllm.models.drafter import expected_shapes
 
     cfg = validated({"paradigm": "hybrid", "target": SMOL,
                      "kv_budget": {**MEMORY.model_dump(), "draft_cache": True,

@@ -400,8 +400,8 @@ def random_drafter(target: Path, options: dict, out: Path) -> Path:
     """A drafter with random weights large enough that attention over the target's K/V and
     over its chain decides the drafts, and the target's lm_head."""
     from kvshot_vllm.models.config import validated
-    from kvshot_vllm.models.weights import (init_weights, save_checkpoint, target_lm_head,
-                                            target_spec)
+    from kvshot_vllm.models.files import target_lm_head, target_spec
+    from kvshot_vllm.models.weights import init_weights, save_checkpoint
 
     cfg = validated({"target": target_spec(target), **options})
     return save_checkpoint(cfg, init_weights(cfg, seed=3, std=0.08, lm_head=target_lm_head(target)),

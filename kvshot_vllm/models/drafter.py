@@ -37,8 +37,7 @@ from kvshot_vllm.models.layers import RMSNorm, SelectiveScan, draft_attention, r
 from kvshot_vllm.models.memory import ChunkMemory
 from kvshot_vllm.models.parallel import (ColumnParallel, Linear, RowParallel, fused, local_heads,
                                          shard_weights)
-from kvshot_vllm.models.weights import (check_drafter_weights, target_embedding, target_spec,
-                                        verify_checkpoint)
+from kvshot_vllm.models.files import target_embedding, target_spec, verify_checkpoint
 
 
 @dataclass
@@ -424,7 +423,7 @@ class Drafter(nn.Module):
         return draft_ids + self.d2t[draft_ids]
 
     def checkpoint_weights(self) -> dict[str, torch.Tensor]:
-        """Tensors under the checkpoint names of `weights.expected_shapes`."""
+        """Tensors under the checkpoint names of `expected_shapes`."""
         weights = {n: p.detach().cpu() for n, p in self.named_parameters()
                    if not n.startswith("rope.")}
         if self.cfg.draft_vocab_size != self.cfg.target.vocab_size:
@@ -459,3 +458,41 @@ def load_drafter(checkpoint: Path, target_dir: Path) -> Drafter:
     drafter = build_drafter(cfg, target_dir)
     drafter.load_checkpoint_weights(load_file(weights_file))
     return drafter
+
+
+def expected_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
+    """Checkpoint names and shapes: the parameters of the paradigm's own module (built on the
+    meta device, which allocates nothing), plus d2t where the draft vocabulary is reduced. So
+    the modules declare their weights, and a checkpoint holds exactly what they own."""
+    from transformers import LlamaConfig
+
+    t = cfg.target
+    shape_only = LlamaConfig(
+        hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
+        num_hidden_layers=t.num_layers, num_attention_heads=t.num_attention_heads,
+        num_key_value_heads=t.num_kv_heads, head_dim=t.head_dim, vocab_size=t.vocab_size,
+        rms_norm_eps=t.rms_norm_eps,
+        rope_parameters={"rope_theta": t.rope_theta, "rope_type": "default"})
+    with torch.device("meta"):
+        drafter = Drafter(cfg, shape_only, torch.empty(t.vocab_size, t.hidden_size))
+    shapes = {name: tuple(p.shape) for name, p in drafter.named_parameters()}
+    if cfg.draft_vocab_size != t.vocab_size:
+        shapes["d2t"] = (cfg.draft_vocab_size,)
+    return shapes
+
+
+def check_drafter_weights(cfg: DrafterConfig, weights: dict[str, torch.Tensor]) -> None:
+    """Every expected tensor present with its shape, and no other; a clear error otherwise."""
+    expected = expected_shapes(cfg)
+    unknown = sorted(set(weights) - set(expected))
+    if unknown:
+        raise KVShotError(f"drafter checkpoint has weight {unknown[0]!r}, which no "
+                          f"{cfg.paradigm} drafter owns" + (f" (and {len(unknown) - 1} more)"
+                                                            if len(unknown) > 1 else ""))
+    for name, shape in expected.items():
+        if name not in weights:
+            raise KVShotError(f"drafter checkpoint is missing weight {name!r} "
+                              f"(paradigm {cfg.paradigm})")
+        if tuple(weights[name].shape) != shape:
+            raise KVShotError(f"drafter weight {name!r} has shape {tuple(weights[name].shape)}, "
+                              f"expected {shape}")

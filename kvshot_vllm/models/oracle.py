@@ -13,7 +13,8 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 from kvshot_vllm.models.config import validated
-from kvshot_vllm.models.weights import save_checkpoint, target_lm_head, target_spec
+from kvshot_vllm.models.files import target_lm_head, target_spec
+from kvshot_vllm.models.weights import save_checkpoint
 
 # drafter name suffix <- target name suffix, per layer
 LAYER_WEIGHTS = {

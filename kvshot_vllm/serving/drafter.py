@@ -48,10 +48,10 @@ from vllm.platforms import current_platform
 
 from kvshot_vllm.errors import KVShotError
 from kvshot_vllm.models.config import DrafterConfig, TargetSpec, load_drafter_config
-from kvshot_vllm.models.drafter import DraftAttention
+from kvshot_vllm.models.drafter import DraftAttention, check_drafter_weights
+from kvshot_vllm.models.files import verify_checkpoint
 from kvshot_vllm.models.layers import SelectiveScan, SwiGLU
 from kvshot_vllm.models.parallel import Linear, TensorParallel, shard_weights, tensor_parallel
-from kvshot_vllm.models.weights import check_drafter_weights, verify_checkpoint
 from kvshot_vllm.serving.backend import (DraftCacheViewBuilderMixin, DraftKVBuilderMixin,
                                          block_rows, draft_backend, draft_plan, platform_backend)
 from kvshot_vllm.serving.checks import check_against_target

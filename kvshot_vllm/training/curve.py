@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from kvshot_vllm.errors import KVShotError
-from kvshot_vllm.models.weights import MANIFEST
+from kvshot_vllm.models.files import MANIFEST
 from kvshot_vllm.training.diagnostics import stepwise_acceptance
 from kvshot_vllm.training.features import SplitFeatures, open_features
 from kvshot_vllm.training.ttt import TrainConfig, trained_tokens

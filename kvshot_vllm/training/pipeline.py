@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from kvshot_vllm.errors import KVShotError, first_validation_error
 from kvshot_vllm.models.config import DrafterConfig, default_layers, validated
-from kvshot_vllm.models.weights import target_spec
+from kvshot_vllm.models.files import target_spec
 from kvshot_vllm.training.features import (FeatureSet, FeatureSpec, LiveFeatures,
                                            extract_features)
 from kvshot_vllm.training.ttt import PRESETS, TrainConfig, Trainer

@@ -15,7 +15,8 @@ import torch
 
 from kvshot_vllm.errors import KVShotError
 from kvshot_vllm.models.config import load_drafter_config
-from kvshot_vllm.models.weights import MANIFEST, save_checkpoint, sha256_of, verify_checkpoint
+from kvshot_vllm.models.files import MANIFEST, sha256_of, verify_checkpoint
+from kvshot_vllm.models.weights import save_checkpoint
 from kvshot_vllm.training.features import open_features
 from kvshot_vllm.training.ttt import TrainConfig, trained_tokens
 

@@ -405,7 +405,8 @@ class Trainer:
     def _fresh_weights(self, target_dir: Path) -> dict[str, torch.Tensor]:
         """Random layers; lm_head = the target's rows of the draft vocabulary, which is chosen
         from the training data."""
-        from kvshot_vllm.models.weights import init_weights, target_lm_head
+        from kvshot_vllm.models.files import target_lm_head
+        from kvshot_vllm.models.weights import init_weights
 
         cfg = self.drafter.cfg
         head = target_lm_head(target_dir).float()
