@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 export KVSHOT_DATA_DIR ?= $(CURDIR)/data
 
 .PHONY: setup demo test test-slow clean-data data-scale data-scale-8k train-scale data-long \
-	memory-study train-block-scale retrieval-study
+	memory-study train-block-scale retrieval-study own-view-study
 
 setup: $(VENV)/.setup-done
 $(VENV)/.setup-done: pyproject.toml scripts/setup.sh
@@ -115,6 +115,17 @@ retrieval-study: data-long
 	    --kv-budgets 128 128+retrieval 256 256+retrieval --batch-size 1 --target $(SCALE_TARGET) \
 	    --forward-dtype bfloat16 --dataset $(KVSHOT_DATA_DIR)/datasets/long-$${spec%:*} \
 	    --out results/hybrid-retrieval-long-$${spec%:*} || exit 1; \
+	done
+
+# Issue 15: the shipped hidden-only drafter (stock EAGLE-3's layer, trained on the full cache)
+# with a streaming view of its own cache, its only view (BudgetDraft's setting), on each
+# long-context bucket.
+own-view-study: data-long
+	for spec in $(LONG_BUCKETS); do \
+	  $(VENV)/bin/kvshot diagnose hidden=drafters/smollm2-135m-instruct/hidden \
+	    --kv-budgets 128+own 256+own --batch-size 1 --target $(SCALE_TARGET) \
+	    --forward-dtype bfloat16 --dataset $(KVSHOT_DATA_DIR)/datasets/long-$${spec%:*} \
+	    --out results/hidden-own-view-long-$${spec%:*} || exit 1; \
 	done
 
 clean-data:

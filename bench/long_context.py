@@ -47,18 +47,20 @@ def plugin_drafters(target: Path, root: Path, budget: int) -> dict[str, Path]:
 
 
 def with_budgets(name: str, ckpt: Path, root: Path, budget: int) -> dict[str, Path]:
-    """Copies of a drafter whose config reads the target's KV through a `budget`-token view:
-    streaming (NAME@B) and retrieval (NAME@B+retrieval), and for a drafter with its own cache
-    NAME@B+own, the streaming view of its cache too (weights as they are; no manifest, as the
-    config is not the shipped one)."""
+    """Copies of a drafter whose config reads through a `budget`-token view: of the target's
+    KV, streaming (NAME@B) and retrieval (NAME@B+retrieval), and for a drafter with its own
+    cache NAME@B+own, the streaming view of its cache too (a hidden-only drafter's only view).
+    Weights as they are; no manifest, as the config is not the shipped one."""
     import json
     import shutil
 
-    from kvshot_vllm.models.config import load_drafter_config
+    from kvshot_vllm.models.config import load_drafter_config, validated
 
-    views = {f"{name}@{budget}": {},
-             f"{name}@{budget}+retrieval": {"policy": "retrieval"}}
-    if load_drafter_config(ckpt).spec.self_attention:
+    cfg = load_drafter_config(ckpt)
+    views = {}
+    if cfg.spec.reads_target_kv:
+        views = {f"{name}@{budget}": {}, f"{name}@{budget}+retrieval": {"policy": "retrieval"}}
+    if cfg.spec.self_attention:
         views[f"{name}@{budget}+own"] = {"draft_cache": True}
     out = {}
     for view, fields in views.items():
@@ -66,9 +68,10 @@ def with_budgets(name: str, ckpt: Path, root: Path, budget: int) -> dict[str, Pa
         out[view].mkdir(parents=True, exist_ok=True)
         for file in ckpt.glob("*.safetensors"):
             shutil.copyfile(file, out[view] / file.name)
-        config = json.loads((ckpt / "config.json").read_text())
-        config["kvshot"]["kv_budget"] = {"tokens": budget, "block_size": BLOCK_SIZE, **fields}
-        (out[view] / "config.json").write_text(json.dumps(config, indent=2))
+        viewed = validated({**cfg.model_dump(), "kv_budget": {
+            "tokens": budget, "block_size": BLOCK_SIZE, **fields}})
+        # the architecture too: a hidden-only drafter with a view is the plugin's to serve
+        (out[view] / "config.json").write_text(json.dumps(viewed.to_hf_config(), indent=2))
     return out
 
 

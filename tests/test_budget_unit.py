@@ -161,7 +161,11 @@ def test_draft_attention_under_a_budget_ignores_keys_out_of_view() -> None:
                                           "block_size": 32, "draft_cache": True}},
      "draft_cache is not implemented for the retrieval policy"),
     ({"paradigm": "hidden", "kv_budget": {"tokens": 128, "block_size": 32}},
-     "kv_budget: a hidden drafter reads no target KV"),
+     r"kv_budget: a hidden drafter reads no target KV; its budget can only view its own cache "
+     r"\(draft_cache: true\)"),
+    ({"paradigm": "hidden", "kv_budget": {"tokens": 128, "block_size": 32, "draft_cache": True,
+                                          "memory": {"chunk_tokens": 32, "slots": 4}}},
+     "kv_budget.memory.caches 'target': a hidden drafter reads no target KV to summarise"),
     ({"paradigm": "kv", "kv_budget": {"tokens": 128, "block_size": 32, "draft_cache": True}},
      "kv_budget.draft_cache: a kv drafter has no cache of its own"),
     ({"paradigm": "hybrid", "num_layers": 2,

@@ -27,6 +27,9 @@ def test_defaults_follow_kvshot() -> None:
     hybrid = validated({"paradigm": "hybrid", "target": SMOL})
     assert hybrid.eagle_layers == 1 and hybrid.aux_layers == [2, 15, 27]
     assert validated({"paradigm": "hidden", "target": SMOL}).architecture == "Eagle3LlamaForCausalLM"
+    # a view of its own cache is the plugin's to serve: stock EAGLE-3 would read all of it
+    assert validated({"paradigm": "hidden", "target": SMOL, "kv_budget": {
+        "tokens": 128, "block_size": 32, "draft_cache": True}}).architecture == "KVShotLlamaEagle3"
     # where EAGLE-3's default [2, L // 2, L - 3] repeats a layer, spaced layers instead
     for n in range(3, 12):
         aux = validated({"paradigm": "hidden", "target": SMOL.model_copy(

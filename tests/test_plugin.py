@@ -282,6 +282,11 @@ BAD_CONFIGS = {
                          f"paradigm: {choices_message()}"),
     "budget-whole-context": (lambda c: c["kvshot"].update(kv_budget={**VIEW, "tokens": 256}),
                              "kv_budget.tokens 256 is the whole context or more"),
+    # a view of a hidden-only drafter's own cache, written by hand under vLLM's own
+    # architecture, which would read all of it
+    "view-under-stock-name": (lambda c: c["kvshot"].update(kv_budget={**VIEW,
+                                                                       "draft_cache": True}),
+                              "but config.json names Eagle3LlamaForCausalLM"),
 }
 
 
@@ -292,6 +297,7 @@ BAD_CONFIGS = {
     pytest.param("layer-out-of-range", "kv", marks=pytest.mark.slow),
     pytest.param("unknown-paradigm", "kv", marks=pytest.mark.slow),
     pytest.param("budget-whole-context", "kv", marks=pytest.mark.slow),
+    pytest.param("view-under-stock-name", "hidden", marks=pytest.mark.slow),
 ])
 def test_bad_drafter_refuses_to_start(case, paradigm, target_fp32, data_dir, drafters,
                                       tmp_path) -> None:
@@ -368,6 +374,9 @@ BUDGETED_DRAFTERS = {**{f"{name}-budget": {"paradigm": name, "kv_budget": VIEW}
                         for name in ("kv", "hybrid", "block")},
                      # the hybrid's own EAGLE-3 cache in view too
                      "hybrid-budget-draft": {"paradigm": "hybrid",
+                                             "kv_budget": {**VIEW, "draft_cache": True}},
+                     # a hidden-only drafter's only view: its own EAGLE-3 cache (BudgetDraft's)
+                     "hidden-budget-draft": {"paradigm": "hidden",
                                              "kv_budget": {**VIEW, "draft_cache": True}},
                      # sink, 2 recent blocks and the 2 best-scoring blocks between them
                      **{f"{name}-retrieval": {"paradigm": name, "kv_budget": RETRIEVAL_VIEW}

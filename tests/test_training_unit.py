@@ -313,29 +313,33 @@ def test_curve_counts_the_tokens_of_a_shipped_drafter_it_started_from(tmp_path) 
 
 
 @pytest.mark.parametrize("paradigm,policy", [("kv", "streaming"), ("hybrid", "streaming"),
-                                             ("block", "streaming"), ("kv", "retrieval")])
+                                             ("block", "streaming"), ("kv", "retrieval"),
+                                             ("hidden", "streaming")])
 def test_multi_view_loss_adds_the_sparse_views_divergence(paradigm: str, policy: str) -> None:
     """A view that holds the whole sequence adds nothing; a sparse one adds the KL of its chain
-    from the full chain's, whose gradient reaches the drafter through the sparse branch only."""
+    from the full chain's, whose gradient reaches the drafter through the sparse branch only.
+    A hidden-only drafter's views cover its own cache (BudgetDraft's setting)."""
     from kvshot_vllm.models.budget import KVBudget
     from kvshot_vllm.training.ttt import MultiView, ttt_loss
 
     drafter = tiny_drafter(paradigm).train()
     feats, labels, trainable, t2d = tiny_batch(drafter)
     tokens = 12 if policy == "streaming" else 16  # retrieval: sink, 1 block, 2 recent blocks
-    cfg = TrainConfig(steps=1, ttt_steps=3,
-                      multi_view=MultiView(budgets={tokens: 1.0}, block_size=4, policy=policy))
+    own = not drafter.cfg.spec.reads_target_kv
+    view = {"block_size": 4, "policy": policy, "draft_cache": own}
+    cfg = TrainConfig(steps=1, ttt_steps=3, multi_view=MultiView(budgets={tokens: 1.0}, **view))
     plain, accs = ttt_loss(drafter, feats, labels, trainable, cfg, t2d)
-    whole = KVBudget(tokens=40, block_size=4, policy=policy)
-    same, same_accs = ttt_loss(drafter, feats, labels, trainable, cfg, t2d, whole)
+    same, same_accs = ttt_loss(drafter, feats, labels, trainable, cfg, t2d,
+                               KVBudget(tokens=40, **view))
     assert torch.equal(same, plain) and same_accs == accs
-    sparse = KVBudget(tokens=tokens, block_size=4, policy=policy)
+    sparse = KVBudget(tokens=tokens, **view)
     total, sparse_accs = ttt_loss(drafter, feats, labels, trainable, cfg, t2d, sparse)
     assert sparse_accs == accs  # accuracy is the full view's
     assert total > plain
     (total - plain).backward()  # the KL term alone
-    cross = [p.grad for n, p in drafter.named_parameters() if "cross" in n]
-    assert cross and all(g is not None for g in cross) and any(g.abs().sum() > 0 for g in cross)
+    viewed = "self_attn" if own else "cross"  # the attention that reads the view
+    grads = [p.grad for n, p in drafter.named_parameters() if viewed in n]
+    assert grads and all(g is not None for g in grads) and any(g.abs().sum() > 0 for g in grads)
 
 
 def test_multi_view_draws_budgets_by_step() -> None:

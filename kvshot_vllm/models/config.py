@@ -4,7 +4,8 @@ A drafter checkpoint is a directory with `config.json` and `model.safetensors`. 
 an EAGLE-3 config that vLLM understands (architecture name ending in "Eagle3", `draft_vocab_size`,
 `target_hidden_size`, `eagle_config`), plus a `kvshot` block: the paradigm, its options and the
 identity of the target it was trained for. Hidden-only checkpoints use vLLM's own architecture
-name, so they also load in stock vLLM without the plugin.
+name, so they also load in stock vLLM without the plugin; those with a view of their own cache
+(`kv_budget`) do not, since stock vLLM would read all of it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_valid
 
 from kvshot_vllm.errors import KVShotError, first_validation_error
 from kvshot_vllm.models.budget import KVBudget
-from kvshot_vllm.models.registry import Paradigm, choices_message, paradigm, paradigm_names
+from kvshot_vllm.models.registry import (KVSHOT_ARCH, Paradigm, choices_message, paradigm,
+                                         paradigm_names)
 
 
 class TargetSpec(BaseModel):
@@ -129,7 +131,12 @@ class DrafterConfig(BaseModel):
             raise ValueError("kv_layer_map 'aligned' needs a KV-only drafter with one kv_layer "
                              "per drafter layer")
         if self.kv_budget is not None and not self.spec.reads_target_kv:
-            raise ValueError(f"kv_budget: a {self.paradigm} drafter reads no target KV")
+            if not self.kv_budget.draft_cache:
+                raise ValueError(f"kv_budget: a {self.paradigm} drafter reads no target KV; its "
+                                 f"budget can only view its own cache (draft_cache: true)")
+            if self.kv_budget.memory is not None and self.kv_budget.memory.caches != "draft":
+                raise ValueError(f"kv_budget.memory.caches {self.kv_budget.memory.caches!r}: a "
+                                 f"{self.paradigm} drafter reads no target KV to summarise")
         if self.kv_budget is not None and self.kv_budget.draft_cache:
             if not self.spec.self_attention:
                 raise ValueError(f"kv_budget.draft_cache: a {self.paradigm} drafter has no "
@@ -170,7 +177,9 @@ class DrafterConfig(BaseModel):
 
     @property
     def architecture(self) -> str:
-        return self.spec.architecture
+        """The paradigm's, but the plugin's for any view: stock vLLM's EAGLE-3 would read a
+        hidden-only drafter's whole cache."""
+        return KVSHOT_ARCH if self.kv_budget is not None else self.spec.architecture
 
     def to_hf_config(self) -> dict:
         """config.json: vLLM's EAGLE-3 keys plus the `kvshot` block."""

@@ -52,6 +52,7 @@ from kvshot_vllm.models.drafter import DraftAttention, check_drafter_weights
 from kvshot_vllm.models.files import verify_checkpoint
 from kvshot_vllm.models.layers import SelectiveScan, SwiGLU
 from kvshot_vllm.models.parallel import Linear, TensorParallel, shard_weights, tensor_parallel
+from kvshot_vllm.models.registry import STOCK_EAGLE3_ARCH
 from kvshot_vllm.serving.backend import (DraftCacheViewBuilderMixin, DraftKVBuilderMixin,
                                          block_rows, draft_backend, draft_plan, platform_backend)
 from kvshot_vllm.serving.checks import check_against_target
@@ -266,6 +267,12 @@ class VerifiedEagle3LlamaForCausalLM(Eagle3LlamaForCausalLM):
             verify_checkpoint(Path(draft.model))
         block = getattr(draft.hf_config, "kvshot", None)
         cfg = load_drafter_config({"kvshot": block}) if block is not None else None
+        if cfg is not None and self.stock_layers and cfg.architecture != STOCK_EAGLE3_ARCH:
+            # e.g. a kv_budget written into a hidden-only config.json by hand: vLLM's own
+            # layers would read the whole cache
+            raise KVShotError(f"{draft.model}: its kvshot block is served by the plugin's "
+                              f"{cfg.architecture}, but config.json names {STOCK_EAGLE3_ARCH}; "
+                              f"let kvshot write config.json (e.g. `kvshot drafter init`)")
         if cfg is not None:
             check_against_target(cfg, vllm_config)
         with nullcontext() if self.stock_layers else _without_decoder_layers(draft.hf_config):
@@ -274,8 +281,9 @@ class VerifiedEagle3LlamaForCausalLM(Eagle3LlamaForCausalLM):
 
 
 class KVShotEagle3LlamaForCausalLM(VerifiedEagle3LlamaForCausalLM):
-    """KV-only, hybrid and block drafters (hidden-only ones are `VerifiedEagle3...`): the
-    paradigm's own layers and math (`DraftLayers`) over vLLM's paged attention.
+    """KV-only, hybrid and block drafters, and hidden-only ones with a view of their own cache
+    (the others are `VerifiedEagle3...`): the paradigm's own layers and math (`DraftLayers`)
+    over vLLM's paged attention.
 
     Subclasses vLLM's EAGLE-3 model because the proposer asserts that class, and reuses its
     fc / norm / lm_head (with d2t) and the proposer's hooks into them.

@@ -98,8 +98,8 @@ def diagnose(checkpoints: dict[str, Path], target_dir: Path, features: FeatureSe
     """One row per checkpoint, under its own view (`kv_budget`, e.g. a compressed memory) if it
     was trained with one; with `views`, also NAME@TOKENS per view for each full-view drafter
     that reads target KV: the same drafter reading that sparse view of it (`budget.py`),
-    NAME@TOKENS+own where the view also covers the drafter's own cache, NAME@TOKENS+retrieval
-    for a retrieval view."""
+    NAME@TOKENS+own where the view also covers the drafter's own cache (the only view of a
+    hidden-only drafter), NAME@TOKENS+retrieval for a retrieval view."""
     results = {}
     for name, ckpt in checkpoints.items():
         drafter = load_drafter(ckpt, target_dir).eval()
@@ -107,7 +107,8 @@ def diagnose(checkpoints: dict[str, Path], target_dir: Path, features: FeatureSe
         own = [(name, None)] + [
             (f"{name}@{v.tokens}" + ("+own" if v.draft_cache and spec.self_attention else "")
              + ("+retrieval" if v.policy == "retrieval" else ""), v)
-            for v in views if spec.reads_target_kv and drafter.cfg.kv_budget is None]
+            for v in views if drafter.cfg.kv_budget is None
+            and (spec.reads_target_kv or v.draft_cache and spec.self_attention)]
         for label, view in own:
             with drafter.viewing(view) if view else nullcontext():
                 acceptance = stepwise_acceptance(drafter, features, steps, batch_size,

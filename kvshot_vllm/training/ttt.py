@@ -346,9 +346,10 @@ class Trainer:
         self.device = torch.device(device)
         features.check_layers(drafter_cfg.aux_layers, drafter_cfg.kv_layers,
                               drafter_cfg.uses_aux_hidden)
-        if cfg.multi_view and not drafter_cfg.spec.reads_target_kv:
+        if cfg.multi_view and not (drafter_cfg.spec.reads_target_kv or cfg.multi_view.draft_cache):
             raise KVShotError(f"multi-view training: a {drafter_cfg.paradigm} drafter reads no "
-                              f"target KV")
+                              f"target KV; its views can only cover its own cache "
+                              f"(--view-draft-cache)")
         if cfg.multi_view and drafter_cfg.kv_budget:
             raise KVShotError("multi-view training trains the full view with sparse ones: "
                               "drop the drafter's kv_budget")
