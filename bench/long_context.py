@@ -4,15 +4,17 @@ standard-library modules at about 1K, 2K, 4K and 7K tokens, to be continued.
 
 For each configuration one engine runs every bucket (`step_profile.profile`, the same stages),
 timing decode steps: each prompt is prefilled first and then served from the prefix cache. The
-configurations: no speculation, stock EAGLE-3 with the shipped hidden-only drafter (its own
-draft cache covers the whole prefix), and the KV-only and hybrid drafters reading the target's
+configurations: no speculation, ngram (prompt lookup, the harness's settings), stock EAGLE-3
+with the shipped hidden-only drafter (its own draft cache covers the whole prefix), and the
+KV-only and hybrid drafters reading the target's
 cache in place, each with the full view and with a `--budget`-token view (streaming, @B, and
 retrieval, @B+retrieval), and the hybrid also with the streaming view of its own EAGLE-3 cache
 (@B+own, `KVBudget.draft_cache`). Drafting time
 does not depend on the weights, so the plugin's drafters are untrained; `--trained NAME=DIR`
-adds a trained KV-reuse drafter as it is (NAME) and with the `--budget`-token views (NAME@B,
-and NAME@B+own for a hybrid), for the acceptance side (item 4): tokens per step and acceptance
-length per bucket, served.
+adds a trained drafter as it is (NAME) and with the `--budget`-token views that apply to it
+(NAME@B and NAME@B+retrieval for one that reads target KV, NAME@B+own for one with its own
+cache: a hybrid, or a hidden-only drafter, whose only view it is), for the acceptance side
+(item 4): tokens per step and acceptance length per bucket, served.
 `--configs` keeps only the named configurations. Also per configuration: the bytes of
 draft-side cache each request holds for its prefix, and the target K/V a draft step reads.
 
@@ -105,6 +107,7 @@ def main() -> None:
 
     from kvshot_vllm.data import long_document_prompts
     from kvshot_vllm.engine import configure_vllm_env, default_dtype
+    from kvshot_vllm.harness import load_configs
     from kvshot_vllm.paths import resolve_data_dir
     from kvshot_vllm.results import write_results
     from kvshot_vllm.target import prepare_target
@@ -117,7 +120,7 @@ def main() -> None:
     ap.add_argument("--levels", type=int, nargs="+", default=[1])
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--trained", nargs="+", default=[], metavar="NAME=DIR",
-                    help="trained KV-reuse drafters to add, full view and budgeted")
+                    help="trained drafters to add, full view and budgeted")
     ap.add_argument("--configs", nargs="+", help="run only these configurations")
     ap.add_argument("--out", default="bench/results/long_context")
     a = ap.parse_args()
@@ -135,7 +138,7 @@ def main() -> None:
     lengths = {b: sum(map(len, p)) / len(p) for b, p in buckets.items()}
     shipped = Path(__file__).parents[1] / "drafters/smollm2-135m-instruct/hidden"
     root = data_dir / "bench-drafters" / "long"
-    drafters: dict[str, Path | None] = {"none": None, "eagle3": shipped,
+    drafters: dict[str, Path | None] = {"none": None, "ngram": None, "eagle3": shipped,
                                         **plugin_drafters(target, root, a.budget)}
     for name, ckpt in trained.items():
         drafters[name] = Path(ckpt)
@@ -147,9 +150,12 @@ def main() -> None:
         drafters = {n: c for n, c in drafters.items() if n in a.configs}
     max_len = max(a.buckets) + a.max_tokens + 2 * a.k + 64
     runs: dict[str, dict[int, dict]] = {}
+    ngram = load_configs(["ngram"], Path(__file__).parents[1] / "serving_configs", a.k)
     for name, ckpt in drafters.items():
         spec = ckpt and {"method": "eagle3", "model": str(ckpt), "num_speculative_tokens": a.k,
                          **({} if name == "eagle3" else {"disable_padded_drafter_batch": True})}
+        if name == "ngram":
+            spec = ngram["ngram"].speculative
         runs[name] = {}
         for level in a.levels:
             with multiprocessing.get_context("spawn").Pool(1) as pool:  # see step_profile
@@ -162,7 +168,7 @@ def main() -> None:
                                 for b, r in runs[name][level].items()}, flush=True)
 
     dtype_bytes = 2 if dtype == "bfloat16" else 4
-    untrained = [n for n in drafters if n not in ("none", "eagle3")
+    untrained = [n for n in drafters if n not in ("none", "ngram", "eagle3")
                  and n.split("@")[0] not in trained]
     some_run = next(iter(next(iter(runs.values()))[a.levels[0]].values()))
     mode = "eager" if some_run["engine"]["enforce_eager"] else "compiled"
