@@ -102,6 +102,29 @@ def kv_bytes(ckpt: Path | None, prefix: int, dtype_bytes: int, k: int) -> tuple[
     return own * prefix, own * own_view + len(cfg.kv_layers) * per_token * view + choice
 
 
+def check_cache_holds(target: Path, buckets: dict[str, list[list[int]]], max_tokens: int,
+                      dtype: str) -> None:
+    """Refuse a run whose largest bucket's prompts do not all fit the CPU KV cache at once
+    (the target's layers, and one more for a drafter's own): its timed decode steps would
+    prefill evicted prefixes again, and time that."""
+    import os
+
+    from kvshot_vllm.engine import on_cpu
+    from kvshot_vllm.models.files import target_spec
+
+    if not on_cpu():
+        return
+    t = target_spec(target)
+    per_token = 2 * (t.num_layers + 1) * t.num_kv_heads * t.head_dim * (2 if dtype == "bfloat16"
+                                                                         else 4)
+    need = max(sum(len(p) + max_tokens for p in prompts) for prompts in buckets.values())
+    space = float(os.environ["VLLM_CPU_KVCACHE_SPACE"]) * 2**30
+    if need * per_token > 0.9 * space:
+        raise SystemExit(f"the largest bucket's prompts need {need * per_token / 2**30:.1f} GiB "
+                         f"of KV cache at once, more than 90% of VLLM_CPU_KVCACHE_SPACE "
+                         f"({space / 2**30:g} GiB): set it higher, or pass fewer --requests")
+
+
 def main() -> None:
     from transformers import AutoTokenizer
 
@@ -149,6 +172,7 @@ def main() -> None:
             ap.error(f"unknown configurations {sorted(unknown)}; choose from {list(drafters)}")
         drafters = {n: c for n, c in drafters.items() if n in a.configs}
     max_len = max(a.buckets) + a.max_tokens + 2 * a.k + 64
+    check_cache_holds(target, buckets, a.max_tokens, dtype)
     runs: dict[str, dict[int, dict]] = {}
     ngram = load_configs(["ngram"], Path(__file__).parents[1] / "serving_configs", a.k)
     for name, ckpt in drafters.items():
