@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
+import os
 import sys
 from pathlib import Path
 
@@ -107,8 +108,6 @@ def check_cache_holds(target: Path, buckets: dict[str, list[list[int]]], max_tok
     """Refuse a run whose largest bucket's prompts do not all fit the CPU KV cache at once
     (the target's layers, and one more for a drafter's own): its timed decode steps would
     prefill evicted prefixes again, and time that."""
-    import os
-
     from kvshot_vllm.engine import on_cpu
     from kvshot_vllm.models.files import target_spec
 
@@ -150,6 +149,8 @@ def main() -> None:
     trained = dict(t.split("=", 1) for t in a.trained)
 
     data_dir = resolve_data_dir()
+    # the KV cache size is part of the command when given: `check_cache_holds`
+    cache_space = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
     configure_vllm_env(data_dir)
     dtype = default_dtype()
     target, _ = prepare_target(data_dir, dtype)
@@ -196,7 +197,8 @@ def main() -> None:
                  and n.split("@")[0] not in trained]
     some_run = next(iter(next(iter(runs.values()))[a.levels[0]].values()))
     mode = "eager" if some_run["engine"]["enforce_eager"] else "compiled"
-    command = " ".join(["python", *sys.argv])
+    command = " ".join([*([f"VLLM_CPU_KVCACHE_SPACE={cache_space}"] if cache_space else []),
+                        "python", *sys.argv])
     lines = [f"Draft-step cost against prefix length on {target.name} ({dtype}), k = {a.k}, "
              f"block size {BLOCK_SIZE}, {a.requests} prompts per bucket (starts of standard-"
              f"library modules), {a.max_tokens} greedy tokens each, prefixes prefilled before "
