@@ -23,7 +23,7 @@ copied (`serving/backend.py`), and training masks exactly the same keys
 
 With `draft_cache`, a hybrid's EAGLE-3 self-attention reads the same view of its own cache (the
 drafter's keys of the verified positions), as BudgetDraft budgets its drafter's cache: then no
-read of a draft step grows with the prefix.
+read of a draft step grows with the prefix. It is a hidden-only drafter's only view.
 
 With a `memory` (issue 16, memory-augmented drafting), what the view leaves out is not dropped
 but summarised: each whole chunk of left-out keys becomes a few learned memory slots
