@@ -110,6 +110,9 @@ def drafters(target_fp32: Path, tmp_path_factory) -> dict[str, Path]:
     paths["hybrid-budget"] = init_checkpoint(target_fp32, root / "hybrid-budget",
                                              paradigm="hybrid",
                                              kv_budget={**VIEW, "draft_cache": True})
+    paths["hidden-budget"] = init_checkpoint(target_fp32, root / "hidden-budget",
+                                             paradigm="hidden",
+                                             kv_budget={**VIEW, "draft_cache": True})
     # one block retrieved from the gap between sink and recent window
     paths["kv-retrieval"] = init_checkpoint(target_fp32, root / "kv-retrieval", paradigm="kv",
                                             kv_budget={**RETRIEVAL_VIEW, "tokens": 128})
@@ -234,7 +237,7 @@ def test_oracle_sabotage_shows_at_its_position(target_fp32, data_dir, prompts, b
 
 @pytest.mark.parametrize("paradigm", ["oracle", "hybrid-budget",
                                       *(pytest.param(p, marks=pytest.mark.slow)
-                                        for p in ("kv", "kv-retrieval"))])
+                                        for p in ("kv", "kv-retrieval", "hidden-budget"))])
 def test_lossless_under_preemption(paradigm, target_fp32, data_dir, prompts, long_baseline,
                                    drafters) -> None:
     """A KV cache too small for 16 growing requests: vLLM preempts and recomputes; every
