@@ -175,12 +175,11 @@ def main() -> None:
     max_len = max(a.buckets) + a.max_tokens + 2 * a.k + 64
     check_cache_holds(target, buckets, a.max_tokens, dtype)
     runs: dict[str, dict[int, dict]] = {}
-    ngram = load_configs(["ngram"], Path(__file__).parents[1] / "serving_configs", a.k)
+    ngram = load_configs(["ngram"], Path(__file__).parents[1] / "serving_configs", a.k)["ngram"]
     for name, ckpt in drafters.items():
-        spec = ckpt and {"method": "eagle3", "model": str(ckpt), "num_speculative_tokens": a.k,
-                         **({} if name == "eagle3" else {"disable_padded_drafter_batch": True})}
-        if name == "ngram":
-            spec = ngram["ngram"].speculative
+        spec = ngram.speculative if name == "ngram" else ckpt and {
+            "method": "eagle3", "model": str(ckpt), "num_speculative_tokens": a.k,
+            **({} if name == "eagle3" else {"disable_padded_drafter_batch": True})}
         runs[name] = {}
         for level in a.levels:
             with multiprocessing.get_context("spawn").Pool(1) as pool:  # see step_profile

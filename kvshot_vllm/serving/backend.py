@@ -101,12 +101,12 @@ class BlockKeyMeans:
                 torch.zeros(num_blocks, kv_heads, width // 2, device=cache.device),
                 torch.zeros(num_blocks, dtype=torch.bool, device=cache.device))
         means, fresh = self._caches[cache.data_ptr()]
-        flat = blocks.flatten().long()
-        stale = flat[~fresh[flat]].unique()
+        blocks = blocks.long()
+        stale = blocks[~fresh[blocks]].unique()
         if stale.numel():
             means[stale] = cached_key_means(attn, stale[None])[0].transpose(0, 1)
             fresh[stale] = True
-        return means[blocks.long()].transpose(1, 2)
+        return means[blocks].transpose(1, 2)
 
 
 @dataclasses.dataclass
