@@ -181,22 +181,30 @@ def test_a_memory_view_needs_the_adaptor_it_was_trained_with() -> None:
         drafter.chain(feats, 1)
 
 
-def test_serving_refuses_a_memory_until_it_is_served() -> None:
+@pytest.mark.parametrize("memory, tp, refusal", [
+    ({"chunk_tokens": 32, "slots": 4, "caches": "draft"}, 1, "memory of the drafter's own cache"),
+    ({"chunk_tokens": 64, "slots": 4}, 1, "chunk_tokens must be the block size 32"),
+    ({"chunk_tokens": 32, "slots": 4}, 2, "not served under tensor parallelism"),
+])
+def test_serving_refuses_a_memory_it_cannot_serve(memory: dict, tp: int, refusal: str) -> None:
     from types import SimpleNamespace
 
     from kvshot_vllm.serving.checks import check_against_target
 
-    cfg = validated({"paradigm": "kv", "target": SMOL,
-                     "kv_budget": {"tokens": 128, "block_size": 32,
-                                   "memory": {"chunk_tokens": 64, "slots": 4}}})
+    cfg = validated({"paradigm": "hybrid", "target": SMOL,
+                     "kv_budget": {"tokens": 128, "block_size": 32, "draft_cache": True,
+                                   "memory": memory}})
     hf = SimpleNamespace(hidden_size=576, vocab_size=49152, num_hidden_layers=30,
                          num_attention_heads=9, num_key_value_heads=3, head_dim=64,
                          rope_parameters={"rope_theta": 1e5}, rms_norm_eps=1e-5,
                          intermediate_size=1536)
     engine = SimpleNamespace(model_config=SimpleNamespace(hf_config=hf, max_model_len=2048),
-                             cache_config=SimpleNamespace(block_size=32))
-    with pytest.raises(KVShotError, match="not served yet"):
+                             cache_config=SimpleNamespace(block_size=32),
+                             parallel_config=SimpleNamespace(tensor_parallel_size=tp))
+    with pytest.raises(KVShotError, match=refusal):
         check_against_target(cfg, engine)
+    check_against_target(cfg.model_copy(update={"kv_budget": cfg.kv_budget.model_copy(
+        update={"memory": None})}), engine)  # the same drafter without the memory is served
 
 
 def test_draft_side_bytes_count_own_keys_in_view_and_memory_slots() -> None:

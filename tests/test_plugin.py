@@ -37,6 +37,8 @@ NON_PADDED = {"disable_padded_drafter_batch": True}
 # Sparse views of the target's KV (issue 15): sink block + two recent blocks of 32 tokens.
 VIEW = {"tokens": 96, "sink_tokens": 32, "block_size": 32}
 RETRIEVAL_VIEW = {"policy": "retrieval", "tokens": 160, "sink_tokens": 32, "block_size": 32}
+# The same view with what it leaves out summarised: each cache block as 4 memory slots (issue 16)
+MEMORY_VIEW = {**VIEW, "memory": {"chunk_tokens": 32, "slots": 4}}
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +118,8 @@ def drafters(target_fp32: Path, tmp_path_factory) -> dict[str, Path]:
     # one block retrieved from the gap between sink and recent window
     paths["kv-retrieval"] = init_checkpoint(target_fp32, root / "kv-retrieval", paradigm="kv",
                                             kv_budget={**RETRIEVAL_VIEW, "tokens": 128})
+    paths["kv-memory"] = init_checkpoint(target_fp32, root / "kv-memory", paradigm="kv",
+                                         kv_budget=MEMORY_VIEW)
     return {**paths, **SHIPPED}
 
 
@@ -236,14 +240,15 @@ def test_oracle_sabotage_shows_at_its_position(target_fp32, data_dir, prompts, b
 
 
 @pytest.mark.parametrize("paradigm", ["oracle", "hybrid-budget",
-                                      *(pytest.param(p, marks=pytest.mark.slow)
-                                        for p in ("kv", "kv-retrieval", "hidden-budget"))])
+                                      *(pytest.param(p, marks=pytest.mark.slow) for p in
+                                        ("kv", "kv-retrieval", "hidden-budget", "kv-memory"))])
 def test_lossless_under_preemption(paradigm, target_fp32, data_dir, prompts, long_baseline,
                                    drafters) -> None:
     """A KV cache too small for 16 growing requests: vLLM preempts and recomputes; every
     request still completes with the same tokens. The budgeted hybrid reads sparse views of
     prefixes up to twice its budget, the retrieval drafter chooses among the blocks between
-    sink and recent window, with prefix caching and chunked prefill on."""
+    sink and recent window, the memory drafter summarises them, with prefix caching and
+    chunked prefill on."""
     tokens, counters, blocks = generate(target_fp32, data_dir, prompts,
                                         spec(drafters[paradigm], 3, **NON_PADDED),
                                         max_tokens=PREEMPTION_TOKENS,
@@ -383,6 +388,9 @@ BUDGETED_DRAFTERS = {**{f"{name}-budget": {"paradigm": name, "kv_budget": VIEW}
                                              "kv_budget": {**VIEW, "draft_cache": True}},
                      # sink, 2 recent blocks and the 2 best-scoring blocks between them
                      **{f"{name}-retrieval": {"paradigm": name, "kv_budget": RETRIEVAL_VIEW}
+                        for name in ("kv", "block")},
+                     # sink, 2 recent blocks and the memory slots of the blocks between them
+                     **{f"{name}-memory": {"paradigm": name, "kv_budget": MEMORY_VIEW}
                         for name in ("kv", "block")}}
 
 
@@ -487,7 +495,7 @@ def test_tensor_parallel_ranks_draft_what_one_rank_drafts(name, tp_target, data_
 # viewed own cache: slow set.
 @pytest.mark.parametrize("name", [
     pytest.param(n, marks=pytest.mark.slow)
-    if n in ("block", "kv-budget", "hybrid-budget", "block-budget")
+    if n in ("block", "kv-budget", "hybrid-budget", "block-budget", "block-memory")
     else n for n in [*PARITY_DRAFTERS, *BUDGETED_DRAFTERS]])
 def test_served_drafts_equal_training_side_drafts(name, target_fp32, data_dir, prompts,
                                                  tmp_path) -> None:
@@ -516,10 +524,11 @@ def test_served_drafts_equal_training_side_drafts(name, target_fp32, data_dir, p
     # budgeted: 4 prompts of about 250 tokens, the 16 prompts end to end
     batch = [sum(prompts[i::4], []) for i in range(4)] if budget else prompts[:6]
     engine = {"block_size": budget.block_size} if budget else {}
-    if budget and budget.policy == "retrieval":
+    if budget and (budget.policy == "retrieval" or budget.memory):
         # Two waves of two requests through a pool that holds one wave: the second wave's
-        # requests get blocks whose keys the first wave's choices read (the builder keeps each
-        # block's mean key across proposals, and must forget it when the block is rewritten).
+        # requests get blocks whose K/V the first wave's proposals summarised (the builder keeps
+        # each block's mean key or memory slots across proposals, and must forget them when the
+        # block is rewritten).
         need = [-(-(len(p) + MAX_TOKENS + k) // budget.block_size) for p in batch]
         pool = max(need[0] + need[1], need[2] + need[3],
                    ENGINE["max_model_len"] // budget.block_size) + 2

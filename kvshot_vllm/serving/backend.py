@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
 
 from kvshot_vllm.errors import KVShotError
-from kvshot_vllm.models.budget import (KVBudget, dropped_blocks, left_out_blocks, retrieve,
-                                       retrieved_block_table, view_block_table)
+from kvshot_vllm.models.budget import (KVBudget, dropped_blocks, left_out_blocks, memory_chunks,
+                                       retrieve, retrieved_block_table, view_block_table)
 from kvshot_vllm.models.config import DrafterConfig, load_drafter_config
 
 PAD_SLOT = -1
@@ -48,7 +49,7 @@ class RetrievalChoice:
     verified: torch.Tensor  # [n] long: V per request
     block_table: torch.Tensor  # [n, W]: the requests' whole block tables
     view_tables: list[torch.Tensor]  # the view tables of pass 0's metadata, patched in place
-    key_means: BlockKeyMeans  # the builder's, kept across proposals
+    summaries: BlockSummaries  # the builder's, kept across proposals
     blocks: torch.Tensor | None = None  # [n, C] block indices once chosen (-1: none)
 
     def choose(self, query: torch.Tensor, attn) -> None:
@@ -60,53 +61,74 @@ class RetrievalChoice:
         budget, n = self.budget, self.verified.shape[0]
         first = budget.sink_blocks
         gap = int(left_out_blocks(self.verified, budget).max()) if n else 0
-        means = self.key_means.read(attn, self.block_table[:, first:first + gap])
+        cache = attn.kv_cache
+        means = self.summaries.read(
+            ("mean key", cache.data_ptr()), cache.shape[0], self.block_table[:, first:first + gap],
+            lambda stale: cached_blocks(attn, stale[None], "k")[0, :, 0].float().mean(2))
+        means = means.transpose(1, 2)  # [n, KVH, B, d]
         self.blocks = retrieve(query.unsqueeze(1), means, self.verified.unsqueeze(1),
                                budget).squeeze(1)
         for table in self.view_tables:
             retrieved_block_table(table[:n], self.block_table, self.blocks, budget)
 
 
-class BlockKeyMeans:
-    """The mean key of each block of a paged cache (`cached_key_means`), kept across proposals,
-    so that a retrieval choice reads one mean per block of a request's gap rather than all its
-    keys: a proposal computes only the means of blocks it has not seen (a new request's prompt,
-    a block that just left the recent window) and its cost stops growing with the context.
+class BlockSummaries:
+    """Summaries of physical cache blocks computed from their cached K/V (a retrieval view's
+    mean keys, a memory's slots), each kept across proposals: a proposal summarises only the
+    blocks it has not seen (a new request's prompt, a block that just left the recent window),
+    so its cost stops growing with the context.
 
-    A block's keys change only when something writes them: the target, through the slots of
-    its step (`invalidate`, given them at every proposal's pass 0, before the choice), or a
-    drafter writing its own K/V at positions past the verified ones, which lie in the recent
+    A block's K/V change only when something writes them: the target, through the slots of its
+    step (`invalidate`, given them at every proposal's pass 0, before any summary is read), or
+    a drafter writing its own K/V at positions past the verified ones, which lie in the recent
     window and which the target overwrites before the block can enter a gap. A freed block is
-    written by its next owner before it can be read (a prefix-cache hit reuses the same keys).
-    vLLM skips the proposal of a step with a request near max_model_len; the slots that step
-    wrote are not seen, so a block reallocated then may keep a stale mean: the retrieval choice
-    is worse, the output is not (every draft is verified)."""
+    written by its next owner before it can be read (a prefix-cache hit reuses the same K/V,
+    hence the same summary). vLLM skips the proposal of a step with a request near
+    max_model_len; the slots that step wrote are not seen, so a block reallocated then may keep
+    a stale summary: the drafts are worse, the output is not (every draft is verified)."""
 
     def __init__(self) -> None:
-        # per cache (by its storage): means [num_blocks, KVH, d] fp32, fresh [num_blocks] bool
-        self._caches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # per summary (its key): values [num_blocks, ...], fresh [num_blocks] bool
+        self._kept: dict[Hashable, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def invalidate(self, slot_mapping: torch.Tensor, block_size: int) -> None:
-        """Forget the means of the blocks holding `slot_mapping`'s slots (PAD_SLOT: none)."""
+        """Forget the summaries of the blocks holding `slot_mapping`'s slots (PAD_SLOT: none)."""
         blocks = torch.div(slot_mapping[slot_mapping >= 0], block_size, rounding_mode="floor")
-        for _, fresh in self._caches.values():
+        for _, fresh in self._kept.values():
             fresh[blocks.long()] = False
 
-    def read(self, attn, blocks: torch.Tensor) -> torch.Tensor:
-        """blocks [n, B] of `attn`'s cache -> their mean keys [n, KVH, B, d] fp32."""
-        cache = attn.kv_cache
-        if cache.data_ptr() not in self._caches:
-            num_blocks, kv_heads, _, width = cache.shape
-            self._caches[cache.data_ptr()] = (
-                torch.zeros(num_blocks, kv_heads, width // 2, device=cache.device),
-                torch.zeros(num_blocks, dtype=torch.bool, device=cache.device))
-        means, fresh = self._caches[cache.data_ptr()]
+    def read(self, key: Hashable, num_blocks: int, blocks: torch.Tensor,
+             summarise: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The `key` summaries of `blocks` [...] (entries < 0: none, read as block 0's) of a
+        cache of `num_blocks` -> [..., *summary]; summarise(stale [m] long) -> [m, *summary]
+        makes those not kept."""
         blocks = blocks.long()
-        stale = blocks[~fresh[blocks]].unique()
-        if stale.numel():
-            means[stale] = cached_key_means(attn, stale[None])[0].transpose(0, 1)
-            fresh[stale] = True
-        return means[blocks].transpose(1, 2)
+        real = blocks[blocks >= 0]
+        kept = self._kept.get(key)
+        stale = (real if kept is None else real[~kept[1][real]]).unique()
+        if kept is None or stale.numel():
+            new = summarise(stale)
+            if kept is None:
+                kept = self._kept[key] = (
+                    new.new_zeros(num_blocks, *new.shape[1:]),
+                    torch.zeros(num_blocks, dtype=torch.bool, device=new.device))
+            kept[0][stale] = new
+            kept[1][stale] = True
+        return kept[0][blocks.clamp(min=0)]
+
+
+@dataclasses.dataclass
+class MemoryRead:
+    """What a layer whose view has a memory (`KVBudget.memory`, one chunk per cache block)
+    reads in one draft pass: the exact keys of the view (sink and recent window, the rows' own
+    K/V included) through its block table, and the slots of the blocks it leaves out, kept per
+    physical block in `summaries` (`BlockSummaries`)."""
+
+    summaries: BlockSummaries
+    block_table: torch.Tensor  # [n, W] the view's blocks
+    seq_lens: torch.Tensor  # [n] keys in view (exact), up to and including the last row's
+    query_start_loc: torch.Tensor  # [n + 1] the rows of each request in the pass
+    chunks: torch.Tensor  # [n, M] the summarised blocks after the sink; -1 past a request's
 
 
 @dataclasses.dataclass
@@ -126,6 +148,8 @@ class DraftKVPlan:
     first_rows: torch.Tensor
     # a retrieval view's choice (pass 0: still to be made)
     retrieval: RetrievalChoice | None = None
+    # a view with a memory: what the layer reads besides the kernel's metadata
+    memory: MemoryRead | None = None
     # Pass 0 of a one-block drafter: the metadata of its whole block (`block_layout`), whose
     # own plan writes every block row.
     block: Any | None = None
@@ -152,6 +176,10 @@ def write_slots(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: i
 class ViewBuilderMixin:
     """A drafter's view of a paged cache (`budget.py`): the same pages, fewer of them."""
 
+    @functools.cached_property
+    def _summaries(self) -> BlockSummaries:
+        return BlockSummaries()
+
     def _in_view(self, cad, verified: torch.Tensor):
         """`cad` with each request's block table and key counts cut to the drafter's view of
         its V verified keys: nothing copied. The rows' keys all follow the dropped blocks, so
@@ -171,14 +199,32 @@ class ViewBuilderMixin:
 
     def _build_in_view(self, cad, verified: torch.Tensor):
         """The base builder's draft metadata for `cad` in the drafter's view (all of it without
-        a budget), as vLLM's default `build_for_drafting` builds it."""
-        return self.build(common_prefix_len=0, common_attn_metadata=self._in_view(cad, verified),
-                          fast_build=True)
+        a budget), as vLLM's default `build_for_drafting` builds it; with a memory, what the
+        layers read besides it (`kvshot_memory`, a `MemoryRead`)."""
+        view = self._in_view(cad, verified)
+        md = self.build(common_prefix_len=0, common_attn_metadata=view, fast_build=True)
+        budget = self._budget
+        md.kvshot_memory = None
+        if budget is not None and budget.memory is not None:
+            n = cad.num_reqs
+            summarised = memory_chunks(verified.long(), budget)
+            index = torch.arange(int(summarised.max()) if n else 0, device=verified.device)
+            chunks = cad.block_table_tensor[:n, budget.sink_blocks:][:, :index.shape[0]].long()
+            md.kvshot_memory = MemoryRead(
+                self._summaries, view.block_table_tensor[:n], view.seq_lens[:n],
+                view.query_start_loc[:n + 1],
+                torch.where(index < summarised.unsqueeze(1), chunks, -1))
+        return md
+
+    # whose cache the layers of this builder read: the target's, or the drafter's own
+    _reads_target: bool
 
     @functools.cached_property
     def _budget(self) -> KVBudget | None:
+        """The drafter's view of this cache (`KVBudget.of_cache`); None: all of it."""
         cfg = drafter_config(self.vllm_config)
-        return cfg.kv_budget if cfg is not None else None
+        budget = cfg.kv_budget if cfg is not None else None
+        return budget.of_cache(target=self._reads_target) if budget is not None else None
 
 
 class DraftCacheViewBuilderMixin(ViewBuilderMixin):
@@ -188,6 +234,8 @@ class DraftCacheViewBuilderMixin(ViewBuilderMixin):
     rows before it are not sampled, and one layer's K/V, written for every row, do not depend
     on what the layer reads (hence one layer only, `config.py`)."""
 
+    _reads_target = False
+
     def build_for_drafting(self, common_attn_metadata, draft_index: int):
         cad = common_attn_metadata
         return self._build_in_view(cad, cad.seq_lens[:cad.num_reqs] - draft_index)
@@ -195,6 +243,8 @@ class DraftCacheViewBuilderMixin(ViewBuilderMixin):
 
 class DraftKVBuilderMixin(ViewBuilderMixin):
     """Mixed into a backend's metadata builder; see the module docstring."""
+
+    _reads_target = True
 
     _block_pass = None  # a one-block drafter's pass-0 metadata, what its later passes get
     _retrieval: RetrievalChoice | None = None  # a retrieval view's choice, this proposal's
@@ -214,13 +264,14 @@ class DraftKVBuilderMixin(ViewBuilderMixin):
         verified = seq_lens - 1 - draft_index
         md = self._build_in_view(cad, verified)
         last_rows = cad.query_start_loc[1 : n + 1].long() - 1
+        if draft_index == 0:
+            # pass 0's slots are those the target wrote in this step
+            self._summaries.invalidate(cad.slot_mapping, self.kv_cache_spec.block_size)
         if self._budget is not None and self._budget.policy == "retrieval":
             if draft_index == 0:
-                # pass 0's slots are those the target wrote in this step
-                self._key_means.invalidate(cad.slot_mapping, self.kv_cache_spec.block_size)
                 self._retrieval = RetrievalChoice(self._budget, verified.long(),
                                                   cad.block_table_tensor[:n], [md.block_table],
-                                                  self._key_means)
+                                                  self._summaries)
             elif self._retrieval.blocks is not None:
                 retrieved_block_table(md.block_table[:n], cad.block_table_tensor[:n],
                                       self._retrieval.blocks, self._budget)
@@ -231,13 +282,10 @@ class DraftKVBuilderMixin(ViewBuilderMixin):
                                     self.kv_cache_spec.block_size,
                                     self.vllm_config.model_config.max_model_len),
             first_rows=last_rows, retrieval=self._retrieval if draft_index == 0 else None,
+            memory=md.kvshot_memory,
             block=self._build_block(cad, rows, verified) if draft_index == 0 and rows else None)
         self._block_pass = md
         return md
-
-    @functools.cached_property
-    def _key_means(self) -> BlockKeyMeans:
-        return BlockKeyMeans()
 
     @functools.cached_property
     def _block_rows(self) -> int:
@@ -262,7 +310,7 @@ class DraftKVBuilderMixin(ViewBuilderMixin):
         md.kvshot_plan = DraftKVPlan(write_rows=torch.arange(n * k, device=slots.device),
                                      write_slots=slots,
                                      first_rows=torch.arange(n, device=slots.device) * k,
-                                     retrieval=retrieval)
+                                     retrieval=retrieval, memory=md.kvshot_memory)
         return md
 
 
@@ -308,51 +356,56 @@ def draft_backend(base_backend: type, mixin: type) -> type:
                 {"get_builder_cls": staticmethod(lambda: builder), "__module__": __name__})
 
 
-def cached_key_means(attn, blocks: torch.Tensor) -> torch.Tensor:
-    """The mean key of each of `blocks` in `attn`'s paged cache (`budget.block_means`, read in
-    place). blocks [n, B] -> [n, KVH, B, d] fp32. Where a block's keys sit inside it is the
-    backend's business (the CPU kernels store them dimension-major); `key_positions` finds out
-    from the backend itself, and only those elements are read."""
+def cached_blocks(attn, blocks: torch.Tensor, parts: str = "kv") -> torch.Tensor:
+    """The keys ("k") and/or values ("v") of `blocks` in `attn`'s paged cache, read in place:
+    blocks [...] -> [..., len(parts), KVH, block_size, d], in logical order. Where they sit
+    inside a block is the backend's business (the CPU kernels store keys dimension-major);
+    `kv_positions` finds out from the backend itself, and only those elements are read."""
     cache = attn.kv_cache
     kv_heads, block_size, width = cache.shape[1:]
-    n, b = blocks.shape
-    # one gather of the key elements of the blocks (logical order, any strides)
-    index = blocks.long().unsqueeze(-1) * cache[0].numel() + key_positions(attn).flatten()
-    keys = torch.take(cache, index).view(n, b, kv_heads, block_size, width // 2)
-    return keys.float().mean(3).transpose(1, 2)
+    positions = kv_positions(attn)[["kv".index(part) for part in parts]]
+    index = blocks.long().unsqueeze(-1) * cache[0].numel() + positions.flatten()
+    return torch.take(cache, index).view(*blocks.shape, len(parts), kv_heads, block_size,
+                                         width // 2)
 
 
-_key_positions: dict[tuple, torch.Tensor] = {}
+_kv_positions: dict[tuple, torch.Tensor] = {}
 
 
-def key_positions(attn) -> torch.Tensor:
-    """Where the backend's cache update puts each key element inside a cache block, as an index
-    [KVH, block_size, d] into the block's flattened logical [KVH, block_size, 2d] tensor. Found
-    by writing probe keys (each element's head, token and dimension, one at a time: small
-    integers, exact in any float dtype) into a scratch block with `attn`'s own update."""
+def kv_positions(attn) -> torch.Tensor:
+    """Where the backend's cache update puts each key and value element inside a cache block,
+    as an index [2 (key, value), KVH, block_size, d] into the block's flattened logical
+    [KVH, block_size, 2d] tensor. Found by writing probe K/V (each element's head, token and
+    dimension, one at a time: small integers, exact in any float dtype) into a scratch block
+    with `attn`'s own update."""
     cache = attn.kv_cache
     kv_heads, block_size, width = cache.shape[1:]
     d = width // 2
     cached = (type(attn.impl), kv_heads, block_size, width, cache.dtype, str(cache.device))
-    if cached not in _key_positions:
+    if cached not in _kv_positions:
         shape = (block_size, kv_heads, d)
         slots = torch.arange(block_size, device=cache.device)
-        codes = []
-        for axis in (1, 0, 2):  # head, token, dimension
-            key = torch.arange(1, shape[axis] + 1, dtype=cache.dtype, device=cache.device)
-            key = key.view([-1 if i == axis else 1 for i in range(3)]).expand(shape).contiguous()
-            scratch = torch.zeros((1, *cache.shape[1:]), dtype=cache.dtype, device=cache.device)
-            attn.impl.do_kv_cache_update(attn, key, torch.zeros_like(key), scratch, slots)
-            codes.append(scratch.flatten().long() - 1)  # -1: not a key element
-        head, token, dim = codes
-        where = (head >= 0).nonzero().flatten()
-        if where.numel() != kv_heads * block_size * d:
-            raise KVShotError(f"cannot locate the keys in {type(attn.impl).__name__}'s "
-                              f"cache blocks (a quantized KV cache?); retrieval views need them")
-        index = torch.empty(kv_heads, block_size, d, dtype=torch.long, device=cache.device)
-        index[head[where], token[where], dim[where]] = where
-        _key_positions[cached] = index
-    return _key_positions[cached]
+        index = torch.empty(2, kv_heads, block_size, d, dtype=torch.long, device=cache.device)
+        for part in range(2):  # key, value
+            codes = []
+            for axis in (1, 0, 2):  # head, token, dimension
+                code = torch.arange(1, shape[axis] + 1, dtype=cache.dtype, device=cache.device)
+                code = code.view([-1 if i == axis else 1 for i in range(3)]).expand(shape)
+                kv = [torch.zeros(shape, dtype=cache.dtype, device=cache.device)] * 2
+                kv[part] = code.contiguous()
+                scratch = torch.zeros((1, *cache.shape[1:]), dtype=cache.dtype,
+                                      device=cache.device)
+                attn.impl.do_kv_cache_update(attn, *kv, scratch, slots)
+                codes.append(scratch.flatten().long() - 1)  # -1: not this part's element
+            head, token, dim = codes
+            where = (head >= 0).nonzero().flatten()
+            if where.numel() != kv_heads * block_size * d:
+                raise KVShotError(f"cannot locate the keys and values in "
+                                  f"{type(attn.impl).__name__}'s cache blocks (a quantized KV "
+                                  f"cache?); retrieval views and memories need them")
+            index[part, head[where], token[where], dim[where]] = where
+        _kv_positions[cached] = index
+    return _kv_positions[cached]
 
 
 def platform_backend() -> type:

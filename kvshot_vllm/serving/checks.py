@@ -22,7 +22,15 @@ def check_against_target(cfg: DrafterConfig, vllm_config) -> None:
         raise KVShotError("kv_projection 'linear' mixes the K/V of several target layers under "
                           "one softmax and cannot read the paged cache in place; serve a "
                           "head_concat drafter")
-    if budget is not None and budget.memory is not None:
-        raise KVShotError("kv_budget.memory: a compressed draft memory is trained and diagnosed "
-                          "offline (kvshot train / kvshot diagnose) but not served yet; serve "
-                          "the drafter without it (a streaming kv_budget, or none)")
+    memory = budget.memory if budget is not None else None
+    if memory is not None and memory.caches != "target":
+        raise KVShotError(f"kv_budget.memory.caches {memory.caches!r}: a memory of the "
+                          f"drafter's own cache is trained and diagnosed offline but not served "
+                          f"yet; serve a memory of the target's cache (caches 'target')")
+    if memory is not None and memory.chunk_tokens != budget.block_size:
+        raise KVShotError(f"kv_budget.memory.chunk_tokens {memory.chunk_tokens}: a served "
+                          f"memory summarises each cache block on its own, so chunk_tokens must "
+                          f"be the block size {budget.block_size}")
+    if memory is not None and vllm_config.parallel_config.tensor_parallel_size > 1:
+        raise KVShotError("kv_budget.memory is not served under tensor parallelism yet: serve "
+                          "the drafter at tensor_parallel_size 1, or without the memory")

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import (get_tensor_model_parallel_rank,
@@ -47,6 +48,7 @@ from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
 from vllm.platforms import current_platform
 
 from kvshot_vllm.errors import KVShotError
+from kvshot_vllm.models.budget import CompressedMemory
 from kvshot_vllm.models.config import DrafterConfig, TargetSpec, load_drafter_config
 from kvshot_vllm.models.drafter import DraftAttention, check_drafter_weights
 from kvshot_vllm.models.files import verify_checkpoint
@@ -54,7 +56,8 @@ from kvshot_vllm.models.layers import SelectiveScan, SwiGLU
 from kvshot_vllm.models.parallel import Linear, TensorParallel, shard_weights, tensor_parallel
 from kvshot_vllm.models.registry import STOCK_EAGLE3_ARCH
 from kvshot_vllm.serving.backend import (DraftCacheViewBuilderMixin, DraftKVBuilderMixin,
-                                         block_rows, draft_backend, draft_plan, platform_backend)
+                                         MemoryRead, block_rows, cached_blocks, draft_backend,
+                                         draft_plan, platform_backend)
 from kvshot_vllm.serving.checks import check_against_target
 
 # Under the "vllm." namespace: loggers outside it are silent in vLLM worker processes.
@@ -80,8 +83,8 @@ class TargetKVAttention(DraftAttention):
     [T, in] -> [T, hidden]."""
 
     def __init__(self, in_size: int, target: TargetSpec, kv_layers: list[int], first_index: int,
-                 rope: nn.Module, cache_config) -> None:
-        super().__init__(in_size, target, len(kv_layers), kv_layers)
+                 rope: nn.Module, cache_config, memory: CompressedMemory | None) -> None:
+        super().__init__(in_size, target, len(kv_layers), kv_layers, memory)
         self.rope = rope
         backend = draft_backend(platform_backend(), DraftKVBuilderMixin)
         # One vLLM attention per sampled layer, sharing that target layer's cache. A layer name
@@ -104,7 +107,7 @@ class TargetKVAttention(DraftAttention):
         k = k.view(t, self.groups, self.kv_heads, self.head_dim)
         v = v.view(t, self.groups, self.kv_heads, self.head_dim)
         unused_kv = x.new_zeros(t, self.kv_heads * self.head_dim)
-        outs = []
+        outs, memory = [], None
         for s, attn in enumerate(self.attn):
             plan = draft_plan(_metadata(attn.layer_name))
             if plan is not None and plan.retrieval is not None:
@@ -116,8 +119,30 @@ class TargetKVAttention(DraftAttention):
                 attn.impl.do_kv_cache_update(attn, k[rows, s].contiguous(),
                                              v[rows, s].contiguous(), attn.kv_cache,
                                              plan.write_slots)
-            outs.append(attn(q[:, s], unused_kv, unused_kv))
+            if plan is None or plan.memory is None:
+                outs.append(attn(q[:, s], unused_kv, unused_kv))
+                continue
+            if memory is None:
+                memory = self.memory_slots(plan.memory)
+            outs.append(attend_with_memory(q[:, s].view(t, self.heads, self.head_dim), attn,
+                                           plan.memory, memory[:, :, s]).flatten(1))
         return self.o_proj(torch.cat(outs, dim=-1))
+
+    def memory_slots(self, read: MemoryRead) -> torch.Tensor:
+        """The memory slots of the chunks each request's view leaves out (one chunk per cache
+        block), for every sampled layer: [n, M, groups, KVH, slots, 2d] (keys, then values).
+        Each block's are made once (`BlockSummaries`) from the K/V cached in it, by the
+        training side's adaptor over every sampled layer's heads side by side."""
+        groups, kv_heads = self.groups, self.kv_heads
+
+        def summarise(blocks: torch.Tensor) -> torch.Tensor:  # [m] -> [m, groups * KVH, slots, 2d]
+            kv = torch.cat([cached_blocks(attn, blocks) for attn in self.attn], dim=2)
+            k_mem, v_mem = self.memory(kv[:, 0], kv[:, 1])  # each [m, groups * KVH, slots, d]
+            return torch.cat([k_mem, v_mem], dim=-1)
+
+        slots = read.summaries.read(("memory", id(self)), self.attn[0].kv_cache.shape[0],
+                                    read.chunks, summarise)
+        return slots.unflatten(2, (groups, kv_heads))
 
 
 class PagedSelfAttention(DraftAttention):
@@ -141,6 +166,45 @@ class PagedSelfAttention(DraftAttention):
         return self.o_proj(self.attn(q, k, v))
 
 
+def attend_with_memory(q: torch.Tensor, attn, read: MemoryRead, memory: torch.Tensor
+                       ) -> torch.Tensor:
+    """Attention over a view with a memory (`layers.draft_attention`'s with `memory`): the
+    view's exact keys, read in place through its block table, and the memory slots of the
+    chunks it leaves out, in one softmax. vLLM's paged op reads one cache through one block
+    table, and the CPU op returns no log-sum-exp to merge a second part with, so this runs in
+    torch; a step's keys are few (the view's plus `slots` per left-out block).
+
+    q [T, H, d] (rotated); memory [n, M, KVH, slots, 2d] (`memory_slots`, one sampled layer's).
+    Row r of a request's R rows sees the view's keys up to its own, seq_len - R + r, as the
+    kernel's causal bound, and every slot of its request. -> [T, H, d]."""
+    heads, d = q.shape[1:]
+    lens = read.seq_lens.tolist()
+    width = -(-max(lens, default=0) // attn.kv_cache.shape[2])  # blocks of the longest view
+    exact = cached_blocks(attn, read.block_table[:, :width])  # [n, W, 2, KVH, block_size, d]
+    keys, values = exact.permute(2, 0, 3, 1, 4, 5).flatten(3, 4)  # each [n, KVH, W * bs, d]
+    slots = memory.permute(0, 2, 1, 3, 4).flatten(2, 3)  # [n, KVH, M * slots, 2d]
+    per_chunk = memory.shape[3]
+    out = torch.empty_like(q)
+    starts = read.query_start_loc.tolist()
+    chunks = (read.chunks >= 0).sum(-1).tolist()
+    for i, (length, summarised) in enumerate(zip(lens, chunks)):
+        first, rows = starts[i], starts[i + 1] - starts[i]
+        if rows == 0:
+            continue
+        mem = slots[i, :, :summarised * per_chunk]
+        k = torch.cat([keys[i, :, :length], mem[..., :d]], dim=1)
+        v = torch.cat([values[i, :, :length], mem[..., d:]], dim=1)
+        # a row before the view's first key (a long prompt's early rows, never sampled) sees
+        # the first one, so that no row attends nothing
+        last = (length - rows + torch.arange(rows, device=q.device)).clamp(min=0)
+        key = torch.arange(k.shape[1], device=q.device)
+        seen = (key <= last.unsqueeze(1)) | (key >= length)  # [R, keys]
+        out[first:first + rows] = F.scaled_dot_product_attention(
+            q[first:first + rows].transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+            attn_mask=seen, scale=d**-0.5, enable_gqa=True)[0].transpose(0, 1)
+    return out
+
+
 class PagedAttention:
     """`AttentionFactory` of serving: vLLM attention layers over paged caches, their layer
     names numbered after the target's layers (each name must be unique and hold one integer)."""
@@ -149,6 +213,8 @@ class PagedAttention:
         self.target, self.rope, self.cache_config = cfg.target, rope, cache_config
         self.next_cross_index = cfg.target.num_layers + cfg.eagle_layers
         self.view_draft_cache = cfg.kv_budget is not None and cfg.kv_budget.draft_cache
+        self.target_memory = (cfg.kv_budget.memory if cfg.kv_budget is not None
+                              and cfg.kv_budget.summarises(target=True) else None)
 
     def self_attention(self, in_size: int, layer: int) -> DraftAttention:
         return PagedSelfAttention(in_size, self.target, self.target.num_layers + layer,
@@ -156,7 +222,7 @@ class PagedAttention:
 
     def cross_attention(self, in_size: int, target_layers: list[int]) -> DraftAttention:
         attn = TargetKVAttention(in_size, self.target, target_layers, self.next_cross_index,
-                                 self.rope, self.cache_config)
+                                 self.rope, self.cache_config, self.target_memory)
         self.next_cross_index += len(target_layers)
         return attn
 
