@@ -6,15 +6,15 @@ For each configuration one engine runs every bucket (`step_profile.profile`, the
 timing decode steps: each prompt is prefilled first and then served from the prefix cache. The
 configurations: no speculation, ngram (prompt lookup, the harness's settings), stock EAGLE-3
 with the shipped hidden-only drafter (its own draft cache covers the whole prefix), and the
-KV-only and hybrid drafters reading the target's
-cache in place, each with the full view and with a `--budget`-token view (streaming, @B, and
-retrieval, @B+retrieval), and the hybrid also with the streaming view of its own EAGLE-3 cache
-(@B+own, `KVBudget.draft_cache`). Drafting time
+KV-only and hybrid drafters reading the target's cache in place, each with the full view and
+with a `--budget`-token view (streaming, @B; retrieval, @B+retrieval; streaming with a
+compressed memory of the blocks it leaves out, @B+memory, issue 16), and the hybrid also with
+the streaming view of its own EAGLE-3 cache (@B+own, `KVBudget.draft_cache`). Drafting time
 does not depend on the weights, so the plugin's drafters are untrained; `--trained NAME=DIR`
 adds a trained drafter as it is (NAME) and with the `--budget`-token views that apply to it
-(NAME@B and NAME@B+retrieval for one that reads target KV, NAME@B+own for one with its own
-cache: a hybrid, or a hidden-only drafter, whose only view it is), for the acceptance side
-(item 4): tokens per step and acceptance length per bucket, served.
+(NAME@B, NAME@B+retrieval and NAME@B+memory for one that reads target KV, NAME@B+own for one
+with its own cache: a hybrid, or a hidden-only drafter, whose only view it is), for the
+acceptance side (item 4): tokens per step and acceptance length per bucket, served.
 `--configs` keeps only the named configurations. Also per configuration: the bytes of
 draft-side cache each request holds for its prefix, and the target K/V a draft step reads.
 
@@ -36,6 +36,7 @@ import torch
 from step_profile import profile
 
 BLOCK_SIZE = 32  # the smallest vLLM's CPU attention takes: the finest view
+MEMORY_SLOTS = 4  # a +memory view summarises each left-out cache block in this many slots
 
 
 def plugin_drafters(target: Path, root: Path, budget: int) -> dict[str, Path]:
@@ -51,39 +52,45 @@ def plugin_drafters(target: Path, root: Path, budget: int) -> dict[str, Path]:
 
 def with_budgets(name: str, ckpt: Path, root: Path, budget: int) -> dict[str, Path]:
     """Copies of a drafter whose config reads through a `budget`-token view: of the target's
-    KV, streaming (NAME@B) and retrieval (NAME@B+retrieval), and for a drafter with its own
-    cache NAME@B+own, the streaming view of its cache too (a hidden-only drafter's only view).
-    Weights as they are; no manifest, as the config is not the shipped one."""
-    import json
-    import shutil
+    KV, streaming (NAME@B), retrieval (NAME@B+retrieval) and streaming with a compressed memory
+    of what it leaves out (NAME@B+memory, `MEMORY_SLOTS` per cache block), and for a drafter
+    with its own cache NAME@B+own, the streaming view of its cache too (a hidden-only drafter's
+    only view). Weights as they are, a memory adaptor the drafter lacks as initialised (the
+    mean of each slot's stretch of its block); no manifest, as the config is not the shipped
+    one."""
+    from safetensors.torch import load_file
 
     from kvshot_vllm.models.config import load_drafter_config, validated
+    from kvshot_vllm.models.weights import init_weights, save_checkpoint
 
     cfg = load_drafter_config(ckpt)
     views = {}
     if cfg.spec.reads_target_kv:
-        views = {f"{name}@{budget}": {}, f"{name}@{budget}+retrieval": {"policy": "retrieval"}}
+        views = {f"{name}@{budget}": {}, f"{name}@{budget}+retrieval": {"policy": "retrieval"},
+                 f"{name}@{budget}+memory": {"memory": {"chunk_tokens": BLOCK_SIZE,
+                                                        "slots": MEMORY_SLOTS}}}
     if cfg.spec.self_attention:
         views[f"{name}@{budget}+own"] = {"draft_cache": True}
+    weights = {n: w for f in ckpt.glob("*.safetensors") for n, w in load_file(f).items()}
     out = {}
     for view, fields in views.items():
         out[view] = root / view.replace("@", "-").replace("+", "-")
-        out[view].mkdir(parents=True, exist_ok=True)
-        for file in ckpt.glob("*.safetensors"):
-            shutil.copyfile(file, out[view] / file.name)
         viewed = validated({**cfg.model_dump(), "kv_budget": {
             "tokens": budget, "block_size": BLOCK_SIZE, **fields}})
         # the architecture too: a hidden-only drafter with a view is the plugin's to serve
-        (out[view] / "config.json").write_text(json.dumps(viewed.to_hf_config(), indent=2))
+        save_checkpoint(viewed, {**init_weights(viewed), **weights}, out[view],
+                        dtype=weights["lm_head.weight"].dtype)
     return out
 
 
 def kv_bytes(ckpt: Path | None, prefix: int, dtype_bytes: int, k: int) -> tuple[int, int]:
-    """(draft-side cache bytes a request holds for its prefix, K/V bytes of the prefix one draft
-    step reads: the target's and its own cache's, and a retrieval view's choice, which reads
-    one layer's mean key (fp32) of each block of the gap once per proposal of k steps; the
-    means are kept across proposals, so each block's keys are read once) of a drafter; (0, 0)
-    without one."""
+    """(draft-side cache bytes a request holds for its prefix: its own cache, which vLLM
+    allocates whole, and a memory's slots of the target's cache; K/V bytes of the prefix one
+    draft step reads: the target's and its own cache's, exact or summarised, and a retrieval
+    view's choice, which reads one layer's mean key (fp32) of each block of the gap once per
+    proposal of k steps; the means are kept across proposals, so each block's keys are read
+    once) of a drafter; (0, 0) without one."""
+    from kvshot_vllm.models.budget import kept_keys, left_out_blocks
     from kvshot_vllm.models.config import load_drafter_config
 
     if ckpt is None:
@@ -91,16 +98,15 @@ def kv_bytes(ckpt: Path | None, prefix: int, dtype_bytes: int, k: int) -> tuple[
     cfg = load_drafter_config(ckpt)
     per_token = 2 * cfg.target.num_kv_heads * cfg.target.head_dim * dtype_bytes  # K and V
     budget = cfg.kv_budget
-    view = prefix if budget is None else min(prefix, budget.tokens)
-    own_view = view if budget is not None and budget.draft_cache else prefix
-    own = cfg.eagle_layers * per_token
+    own, cross = cfg.eagle_layers * per_token, len(cfg.kv_layers) * per_token
+    own_exact, own_slots = kept_keys(budget and budget.of_cache(target=False), prefix)
+    cross_exact, cross_slots = kept_keys(budget and budget.of_cache(target=True), prefix)
     choice = 0
     if budget is not None and budget.policy == "retrieval":
-        from kvshot_vllm.models.budget import left_out_blocks
-
         gap = int(left_out_blocks(torch.tensor(prefix), budget))
         choice = cfg.target.num_kv_heads * cfg.target.head_dim * 4 * gap // k
-    return own * prefix, own * own_view + len(cfg.kv_layers) * per_token * view + choice
+    return (own * prefix + cross * cross_slots,
+            own * (own_exact + own_slots) + cross * (cross_exact + cross_slots) + choice)
 
 
 def check_cache_holds(target: Path, buckets: dict[str, list[list[int]]], max_tokens: int,
@@ -206,8 +212,9 @@ def main() -> None:
              + "".join(f", {n} ({c})" for n, c in trained.items()) + ".",
              f"Regenerate: `{command}`", "",
              "drafter layers: ms per engine step in the drafter's forward passes (all k); "
-             "draft cache: the drafter's own cache for the prefix, per request; KV read: the "
-             "prefix's K/V one draft step reads, the target's and its own cache's.", ""]
+             "draft cache: the drafter's own cache and a memory's slots for the prefix, per "
+             "request; KV read: the prefix's K/V one draft step reads, the target's and its own "
+             "cache's, exact or summarised.", ""]
     for level in a.levels:
         lines += [f"Concurrency {level}:", "",
                   "| config | prefix | tokens/step | MAT | ms/token | target forward ms/step | "

@@ -129,6 +129,21 @@ class MemoryRead:
     seq_lens: torch.Tensor  # [n] keys in view (exact), up to and including the last row's
     query_start_loc: torch.Tensor  # [n + 1] the rows of each request in the pass
     chunks: torch.Tensor  # [n, M] the summarised blocks after the sink; -1 past a request's
+    # where the view's K/V sit in a cache of each layout (`cached_blocks`): one index serves
+    # every layer of the pass
+    _exact_index: dict = dataclasses.field(default_factory=dict)
+
+    def exact_kv(self, attn) -> torch.Tensor:
+        """The K/V of the view's blocks in `attn`'s cache: [n, 2, KVH, W * block_size, d], W
+        the longest view's blocks."""
+        cache = attn.kv_cache
+        layout = (type(attn.impl), cache.shape, cache.dtype)
+        if layout not in self._exact_index:
+            width = -(-int(self.seq_lens.max()) // cache.shape[2]) if self.seq_lens.numel() else 0
+            self._exact_index[layout] = block_elements(attn, self.block_table[:, :width])
+        index = self._exact_index[layout]
+        kv = torch.take(cache, index)  # [n, W, 2, KVH, block_size, d]
+        return kv.permute(0, 2, 3, 1, 4, 5).flatten(3, 4)
 
 
 @dataclasses.dataclass
@@ -358,15 +373,18 @@ def draft_backend(base_backend: type, mixin: type) -> type:
 
 def cached_blocks(attn, blocks: torch.Tensor, parts: str = "kv") -> torch.Tensor:
     """The keys ("k") and/or values ("v") of `blocks` in `attn`'s paged cache, read in place:
-    blocks [...] -> [..., len(parts), KVH, block_size, d], in logical order. Where they sit
-    inside a block is the backend's business (the CPU kernels store keys dimension-major);
-    `kv_positions` finds out from the backend itself, and only those elements are read."""
+    blocks [...] -> [..., len(parts), KVH, block_size, d], in logical order."""
+    return torch.take(attn.kv_cache, block_elements(attn, blocks, parts))
+
+
+def block_elements(attn, blocks: torch.Tensor, parts: str = "kv") -> torch.Tensor:
+    """Where `cached_blocks` reads: indices into `attn`'s flattened cache,
+    [..., len(parts), KVH, block_size, d]. Where keys and values sit inside a block is the
+    backend's business (the CPU kernels store keys dimension-major); `kv_positions` finds out
+    from the backend itself, and only those elements are read."""
     cache = attn.kv_cache
-    kv_heads, block_size, width = cache.shape[1:]
     positions = kv_positions(attn)[["kv".index(part) for part in parts]]
-    index = blocks.long().unsqueeze(-1) * cache[0].numel() + positions.flatten()
-    return torch.take(cache, index).view(*blocks.shape, len(parts), kv_heads, block_size,
-                                         width // 2)
+    return blocks.long().view(*blocks.shape, 1, 1, 1, 1) * cache[0].numel() + positions
 
 
 _kv_positions: dict[tuple, torch.Tensor] = {}

@@ -178,30 +178,33 @@ def attend_with_memory(q: torch.Tensor, attn, read: MemoryRead, memory: torch.Te
     Row r of a request's R rows sees the view's keys up to its own, seq_len - R + r, as the
     kernel's causal bound, and every slot of its request. -> [T, H, d]."""
     heads, d = q.shape[1:]
-    lens = read.seq_lens.tolist()
-    width = -(-max(lens, default=0) // attn.kv_cache.shape[2])  # blocks of the longest view
-    exact = cached_blocks(attn, read.block_table[:, :width])  # [n, W, 2, KVH, block_size, d]
-    keys, values = exact.permute(2, 0, 3, 1, 4, 5).flatten(3, 4)  # each [n, KVH, W * bs, d]
+    kv_heads = memory.shape[2]
+    group = heads // kv_heads
+    exact = read.exact_kv(attn)  # [n, 2, KVH, W * block_size, d]
     slots = memory.permute(0, 2, 1, 3, 4).flatten(2, 3)  # [n, KVH, M * slots, 2d]
     per_chunk = memory.shape[3]
     out = torch.empty_like(q)
-    starts = read.query_start_loc.tolist()
+    starts, lens = read.query_start_loc.tolist(), read.seq_lens.tolist()
     chunks = (read.chunks >= 0).sum(-1).tolist()
     for i, (length, summarised) in enumerate(zip(lens, chunks)):
         first, rows = starts[i], starts[i + 1] - starts[i]
         if rows == 0:
             continue
         mem = slots[i, :, :summarised * per_chunk]
-        k = torch.cat([keys[i, :, :length], mem[..., :d]], dim=1)
-        v = torch.cat([values[i, :, :length], mem[..., d:]], dim=1)
+        k = torch.cat([exact[i, 0, :, :length], mem[..., :d]], dim=1)  # [KVH, keys, d]
+        v = torch.cat([exact[i, 1, :, :length], mem[..., d:]], dim=1)
         # a row before the view's first key (a long prompt's early rows, never sampled) sees
         # the first one, so that no row attends nothing
         last = (length - rows + torch.arange(rows, device=q.device)).clamp(min=0)
         key = torch.arange(k.shape[1], device=q.device)
         seen = (key <= last.unsqueeze(1)) | (key >= length)  # [R, keys]
-        out[first:first + rows] = F.scaled_dot_product_attention(
-            q[first:first + rows].transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
-            attn_mask=seen, scale=d**-0.5, enable_gqa=True)[0].transpose(0, 1)
+        # each KV head's G query heads and R rows as one batch of G * R queries
+        qg = q[first:first + rows].view(rows, kv_heads, group, d).permute(1, 2, 0, 3)
+        scores = torch.bmm(qg.reshape(kv_heads, group * rows, d), k.transpose(1, 2)) * d**-0.5
+        scores = scores.view(kv_heads, group, rows, -1).masked_fill(~seen, float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+        o = torch.bmm(probs.view(kv_heads, group * rows, -1), v)  # [KVH, G * R, d]
+        out[first:first + rows] = o.view(kv_heads, group, rows, d).permute(2, 0, 1, 3).flatten(1, 2)
     return out
 
 
