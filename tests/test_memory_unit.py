@@ -182,7 +182,6 @@ def test_a_memory_view_needs_the_adaptor_it_was_trained_with() -> None:
 
 
 @pytest.mark.parametrize("memory, tp, refusal", [
-    ({"chunk_tokens": 32, "slots": 4, "caches": "draft"}, 1, "memory of the drafter's own cache"),
     ({"chunk_tokens": 64, "slots": 4}, 1, "chunk_tokens must be the block size 32"),
     ({"chunk_tokens": 32, "slots": 4}, 2, "not served under tensor parallelism"),
 ])

@@ -120,6 +120,10 @@ def drafters(target_fp32: Path, tmp_path_factory) -> dict[str, Path]:
                                             kv_budget={**RETRIEVAL_VIEW, "tokens": 128})
     paths["kv-memory"] = init_checkpoint(target_fp32, root / "kv-memory", paradigm="kv",
                                          kv_budget=MEMORY_VIEW)
+    paths["hybrid-memory"] = init_checkpoint(
+        target_fp32, root / "hybrid-memory", paradigm="hybrid",
+        kv_budget={**MEMORY_VIEW, "draft_cache": True,
+                   "memory": {**MEMORY_VIEW["memory"], "caches": "both"}})
     return {**paths, **SHIPPED}
 
 
@@ -241,14 +245,15 @@ def test_oracle_sabotage_shows_at_its_position(target_fp32, data_dir, prompts, b
 
 @pytest.mark.parametrize("paradigm", ["oracle", "hybrid-budget",
                                       *(pytest.param(p, marks=pytest.mark.slow) for p in
-                                        ("kv", "kv-retrieval", "hidden-budget", "kv-memory"))])
+                                        ("kv", "kv-retrieval", "hidden-budget", "kv-memory",
+                                         "hybrid-memory"))])
 def test_lossless_under_preemption(paradigm, target_fp32, data_dir, prompts, long_baseline,
                                    drafters) -> None:
     """A KV cache too small for 16 growing requests: vLLM preempts and recomputes; every
     request still completes with the same tokens. The budgeted hybrid reads sparse views of
     prefixes up to twice its budget, the retrieval drafter chooses among the blocks between
-    sink and recent window, the memory drafter summarises them, with prefix caching and
-    chunked prefill on."""
+    sink and recent window, the memory drafters summarise them (of the target's cache, and of
+    both caches), with prefix caching and chunked prefill on."""
     tokens, counters, blocks = generate(target_fp32, data_dir, prompts,
                                         spec(drafters[paradigm], 3, **NON_PADDED),
                                         max_tokens=PREEMPTION_TOKENS,
@@ -389,9 +394,14 @@ BUDGETED_DRAFTERS = {**{f"{name}-budget": {"paradigm": name, "kv_budget": VIEW}
                      # sink, 2 recent blocks and the 2 best-scoring blocks between them
                      **{f"{name}-retrieval": {"paradigm": name, "kv_budget": RETRIEVAL_VIEW}
                         for name in ("kv", "block")},
-                     # sink, 2 recent blocks and the memory slots of the blocks between them
+                     # sink, 2 recent blocks and the memory slots of the blocks between them:
+                     # of the target's cache, of a hidden-only drafter's own, and of both
                      **{f"{name}-memory": {"paradigm": name, "kv_budget": MEMORY_VIEW}
-                        for name in ("kv", "block")}}
+                        for name in ("kv", "block")},
+                     **{f"{name}-memory-{caches}": {"paradigm": name, "kv_budget": {
+                         **MEMORY_VIEW, "draft_cache": True,
+                         "memory": {**MEMORY_VIEW["memory"], "caches": caches}}}
+                        for name, caches in (("hidden", "draft"), ("hybrid", "both"))}}
 
 
 @pytest.fixture(scope="module")
@@ -418,14 +428,20 @@ def tp_target(target_fp32: Path, tmp_path_factory) -> Path:
 
 def random_drafter(target: Path, options: dict, out: Path) -> Path:
     """A drafter with random weights large enough that attention over the target's K/V and
-    over its chain decides the drafts, and the target's lm_head."""
+    over its chain decides the drafts, and the target's lm_head. A memory adaptor's queries are
+    random too, so that each slot leans to a few keys of its block rather than averaging it."""
+    import torch
+
     from kvshot_vllm.models.config import validated
     from kvshot_vllm.models.files import target_lm_head, target_spec
     from kvshot_vllm.models.weights import init_weights, save_checkpoint
 
     cfg = validated({"target": target_spec(target), **options})
-    return save_checkpoint(cfg, init_weights(cfg, seed=3, std=0.08, lm_head=target_lm_head(target)),
-                           out)
+    weights = init_weights(cfg, seed=3, std=0.08, lm_head=target_lm_head(target))
+    gen = torch.Generator().manual_seed(4)
+    for name in [n for n in weights if n.endswith("memory.query")]:
+        weights[name] = torch.randn(weights[name].shape, generator=gen)
+    return save_checkpoint(cfg, weights, out)
 
 
 def served_proposals(target: Path, drafter: Path | None, k: int, batch: list[list[int]],

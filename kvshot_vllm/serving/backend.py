@@ -163,8 +163,6 @@ class DraftKVPlan:
     first_rows: torch.Tensor
     # a retrieval view's choice (pass 0: still to be made)
     retrieval: RetrievalChoice | None = None
-    # a view with a memory: what the layer reads besides the kernel's metadata
-    memory: MemoryRead | None = None
     # Pass 0 of a one-block drafter: the metadata of its whole block (`block_layout`), whose
     # own plan writes every block row.
     block: Any | None = None
@@ -174,6 +172,13 @@ def draft_plan(metadata: Any) -> DraftKVPlan | None:
     """The plan attached to a layer's attention metadata by `DraftKVBuilderMixin`; None for
     metadata that this builder did not make (dummy and profile runs)."""
     return getattr(metadata, "kvshot_plan", None)
+
+
+def memory_read(metadata: Any) -> MemoryRead | None:
+    """What a layer whose view has a memory reads besides `metadata` (`ViewBuilderMixin`);
+    None without a memory, and for metadata that no view builder made (dummy and profile
+    runs, which attend through the kernel)."""
+    return getattr(metadata, "kvshot_memory", None)
 
 
 def write_slots(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
@@ -253,6 +258,9 @@ class DraftCacheViewBuilderMixin(ViewBuilderMixin):
 
     def build_for_drafting(self, common_attn_metadata, draft_index: int):
         cad = common_attn_metadata
+        if draft_index == 0:
+            # pass 0 writes the drafter's K/V of the step's tokens, at the target's slots
+            self._summaries.invalidate(cad.slot_mapping, self.kv_cache_spec.block_size)
         return self._build_in_view(cad, cad.seq_lens[:cad.num_reqs] - draft_index)
 
 
@@ -297,7 +305,6 @@ class DraftKVBuilderMixin(ViewBuilderMixin):
                                     self.kv_cache_spec.block_size,
                                     self.vllm_config.model_config.max_model_len),
             first_rows=last_rows, retrieval=self._retrieval if draft_index == 0 else None,
-            memory=md.kvshot_memory,
             block=self._build_block(cad, rows, verified) if draft_index == 0 and rows else None)
         self._block_pass = md
         return md
@@ -325,7 +332,7 @@ class DraftKVBuilderMixin(ViewBuilderMixin):
         md.kvshot_plan = DraftKVPlan(write_rows=torch.arange(n * k, device=slots.device),
                                      write_slots=slots,
                                      first_rows=torch.arange(n, device=slots.device) * k,
-                                     retrieval=retrieval, memory=md.kvshot_memory)
+                                     retrieval=retrieval)
         return md
 
 

@@ -23,10 +23,6 @@ def check_against_target(cfg: DrafterConfig, vllm_config) -> None:
                           "one softmax and cannot read the paged cache in place; serve a "
                           "head_concat drafter")
     memory = budget.memory if budget is not None else None
-    if memory is not None and memory.caches != "target":
-        raise KVShotError(f"kv_budget.memory.caches {memory.caches!r}: a memory of the "
-                          f"drafter's own cache is trained and diagnosed offline but not served "
-                          f"yet; serve a memory of the target's cache (caches 'target')")
     if memory is not None and memory.chunk_tokens != budget.block_size:
         raise KVShotError(f"kv_budget.memory.chunk_tokens {memory.chunk_tokens}: a served "
                           f"memory summarises each cache block on its own, so chunk_tokens must "

@@ -42,6 +42,7 @@ from vllm.distributed import (get_tensor_model_parallel_rank,
 from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.attention.attention import unified_kv_cache_update
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
@@ -57,7 +58,7 @@ from kvshot_vllm.models.parallel import Linear, TensorParallel, shard_weights, t
 from kvshot_vllm.models.registry import STOCK_EAGLE3_ARCH
 from kvshot_vllm.serving.backend import (DraftCacheViewBuilderMixin, DraftKVBuilderMixin,
                                          MemoryRead, block_rows, cached_blocks, draft_backend,
-                                         draft_plan, platform_backend)
+                                         draft_plan, memory_read, platform_backend)
 from kvshot_vllm.serving.checks import check_against_target
 
 # Under the "vllm." namespace: loggers outside it are silent in vLLM worker processes.
@@ -109,7 +110,8 @@ class TargetKVAttention(DraftAttention):
         unused_kv = x.new_zeros(t, self.kv_heads * self.head_dim)
         outs, memory = [], None
         for s, attn in enumerate(self.attn):
-            plan = draft_plan(_metadata(attn.layer_name))
+            metadata = _metadata(attn.layer_name)
+            plan = draft_plan(metadata)
             if plan is not None and plan.retrieval is not None:
                 # the first such layer's first group chooses a retrieval view's blocks
                 plan.retrieval.choose(q[plan.first_rows, s].view(-1, self.heads, self.head_dim),
@@ -119,30 +121,15 @@ class TargetKVAttention(DraftAttention):
                 attn.impl.do_kv_cache_update(attn, k[rows, s].contiguous(),
                                              v[rows, s].contiguous(), attn.kv_cache,
                                              plan.write_slots)
-            if plan is None or plan.memory is None:
+            read = memory_read(metadata)
+            if read is None:
                 outs.append(attn(q[:, s], unused_kv, unused_kv))
                 continue
             if memory is None:
-                memory = self.memory_slots(plan.memory)
+                memory = memory_slots(self, list(self.attn), read)
             outs.append(attend_with_memory(q[:, s].view(t, self.heads, self.head_dim), attn,
-                                           plan.memory, memory[:, :, s]).flatten(1))
+                                           read, memory[:, :, s]).flatten(1))
         return self.o_proj(torch.cat(outs, dim=-1))
-
-    def memory_slots(self, read: MemoryRead) -> torch.Tensor:
-        """The memory slots of the chunks each request's view leaves out (one chunk per cache
-        block), for every sampled layer: [n, M, groups, KVH, slots, 2d] (keys, then values).
-        Each block's are made once (`BlockSummaries`) from the K/V cached in it, by the
-        training side's adaptor over every sampled layer's heads side by side."""
-        groups, kv_heads = self.groups, self.kv_heads
-
-        def summarise(blocks: torch.Tensor) -> torch.Tensor:  # [m] -> [m, groups * KVH, slots, 2d]
-            kv = torch.cat([cached_blocks(attn, blocks) for attn in self.attn], dim=2)
-            k_mem, v_mem = self.memory(kv[:, 0], kv[:, 1])  # each [m, groups * KVH, slots, d]
-            return torch.cat([k_mem, v_mem], dim=-1)
-
-        slots = read.summaries.read(("memory", id(self)), self.attn[0].kv_cache.shape[0],
-                                    read.chunks, summarise)
-        return slots.unflatten(2, (groups, kv_heads))
 
 
 class PagedSelfAttention(DraftAttention):
@@ -151,8 +138,8 @@ class PagedSelfAttention(DraftAttention):
     [T, in] -> [T, hidden]."""
 
     def __init__(self, in_size: int, target: TargetSpec, layer: int, rope: nn.Module,
-                 cache_config, viewed: bool) -> None:
-        super().__init__(in_size, target)
+                 cache_config, viewed: bool, memory: CompressedMemory | None) -> None:
+        super().__init__(in_size, target, memory=memory)
         self.rope = rope
         # viewed: it reads the drafter's view of its cache (`KVBudget.draft_cache`)
         backend = draft_backend(platform_backend(), DraftCacheViewBuilderMixin) if viewed else None
@@ -163,7 +150,32 @@ class PagedSelfAttention(DraftAttention):
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         q, k, v = self.project(x)
         q, k = self.rope(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        read = memory_read(_metadata(self.attn.layer_name))
+        if read is None:
+            return self.o_proj(self.attn(q, k, v))
+        # the kernel's own write of this pass's K/V, then the view and memory in torch
+        unified_kv_cache_update(k.view(-1, self.kv_heads, self.head_dim),
+                                v.view(-1, self.kv_heads, self.head_dim), self.attn.layer_name)
+        memory = memory_slots(self, [self.attn], read)[:, :, 0]
+        return self.o_proj(attend_with_memory(q.view(-1, self.heads, self.head_dim), self.attn,
+                                              read, memory).flatten(1))
+
+
+def memory_slots(module: DraftAttention, attns: list[Attention], read: MemoryRead
+                 ) -> torch.Tensor:
+    """The memory slots of the chunks each request's view leaves out (one chunk per cache
+    block) of the caches `attns` read, [n, M, len(attns), KVH, slots, 2d] (keys, then values).
+    Each block's are made once (`BlockSummaries`) from the K/V cached in it, by `module`'s
+    adaptor over every cache's heads side by side, as training makes them."""
+
+    def summarise(blocks: torch.Tensor) -> torch.Tensor:  # [m] -> [m, caches * KVH, slots, 2d]
+        kv = torch.cat([cached_blocks(attn, blocks) for attn in attns], dim=2)
+        k_mem, v_mem = module.memory(kv[:, 0], kv[:, 1])  # each [m, caches * KVH, slots, d]
+        return torch.cat([k_mem, v_mem], dim=-1)
+
+    slots = read.summaries.read(("memory", id(module)), attns[0].kv_cache.shape[0],
+                                read.chunks, summarise)
+    return slots.unflatten(2, (len(attns), module.kv_heads))
 
 
 def attend_with_memory(q: torch.Tensor, attn, read: MemoryRead, memory: torch.Tensor
@@ -216,16 +228,18 @@ class PagedAttention:
         self.target, self.rope, self.cache_config = cfg.target, rope, cache_config
         self.next_cross_index = cfg.target.num_layers + cfg.eagle_layers
         self.view_draft_cache = cfg.kv_budget is not None and cfg.kv_budget.draft_cache
-        self.target_memory = (cfg.kv_budget.memory if cfg.kv_budget is not None
-                              and cfg.kv_budget.summarises(target=True) else None)
+        # the memory adaptor of the attentions over each cache whose view summarises it
+        self.memory = {target: cfg.kv_budget.memory if cfg.kv_budget is not None
+                       and cfg.kv_budget.summarises(target) else None for target in (True, False)}
 
     def self_attention(self, in_size: int, layer: int) -> DraftAttention:
         return PagedSelfAttention(in_size, self.target, self.target.num_layers + layer,
-                                  self.rope, self.cache_config, self.view_draft_cache)
+                                  self.rope, self.cache_config, self.view_draft_cache,
+                                  self.memory[False])
 
     def cross_attention(self, in_size: int, target_layers: list[int]) -> DraftAttention:
         attn = TargetKVAttention(in_size, self.target, target_layers, self.next_cross_index,
-                                 self.rope, self.cache_config, self.target_memory)
+                                 self.rope, self.cache_config, self.memory[True])
         self.next_cross_index += len(target_layers)
         return attn
 
