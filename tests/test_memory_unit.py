@@ -224,3 +224,29 @@ def test_draft_side_bytes_count_own_keys_in_view_and_memory_slots() -> None:
     assert tiny_drafter("kv").draft_side_bytes(100) == 0
     kv = tiny_drafter("kv", kv_budget=MEMORY.model_dump())
     assert kv.draft_side_bytes(100) == 33 * key * len(kv.cfg.kv_layers)
+
+
+def test_block_summaries_are_made_once_per_block_and_remade_after_a_write() -> None:
+    """The served memory's store (`BlockSummaries`): a block is summarised the first time a
+    read needs it, read again from the store, and summarised again once a slot of it is
+    written; padding entries (-1) are never summarised."""
+    from kvshot_vllm.serving.backend import BlockSummaries
+
+    made: list[list[int]] = []
+    version = torch.zeros(8)  # what a block's summary is made of: how often it was written
+
+    def summarise(blocks: torch.Tensor) -> torch.Tensor:
+        made.append(sorted(blocks.tolist()))
+        return torch.stack([blocks.float(), version[blocks]], dim=-1)
+
+    store = BlockSummaries()
+    first = store.read("memory", 8, torch.tensor([[1, 2], [2, -1]]), summarise)
+    assert made == [[1, 2]]
+    assert first[0].tolist() == [[1.0, 0.0], [2.0, 0.0]]
+    store.read("memory", 8, torch.tensor([[2, 1]]), summarise)
+    assert made == [[1, 2]]  # nothing stale: no block summarised
+    version[2] = 1
+    store.invalidate(torch.tensor([2 * 4 + 3, -1]), block_size=4)  # a slot of block 2; padding
+    again = store.read("memory", 8, torch.tensor([[1, 2, 5]]), summarise)
+    assert made[-1] == [2, 5]
+    assert again[0].tolist() == [[1.0, 0.0], [2.0, 1.0], [5.0, 0.0]]
