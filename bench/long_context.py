@@ -56,8 +56,8 @@ def with_budgets(name: str, ckpt: Path, root: Path, budget: int) -> dict[str, Pa
     of what it leaves out (NAME@B+memory, `MEMORY_SLOTS` per cache block), and for a drafter
     with its own cache NAME@B+own, the streaming view of its cache too (a hidden-only drafter's
     only view). Weights as they are, a memory adaptor the drafter lacks as initialised (the
-    mean of each slot's stretch of its block); no manifest, as the config is not the shipped
-    one."""
+    mean of each slot's stretch of its block), one the view lacks left out; no manifest, as the
+    config is not the shipped one."""
     from safetensors.torch import load_file
 
     from kvshot_vllm.models.config import load_drafter_config, validated
@@ -78,8 +78,9 @@ def with_budgets(name: str, ckpt: Path, root: Path, budget: int) -> dict[str, Pa
         viewed = validated({**cfg.model_dump(), "kv_budget": {
             "tokens": budget, "block_size": BLOCK_SIZE, **fields}})
         # the architecture too: a hidden-only drafter with a view is the plugin's to serve
-        save_checkpoint(viewed, {**init_weights(viewed), **weights}, out[view],
-                        dtype=weights["lm_head.weight"].dtype)
+        fresh = init_weights(viewed)  # the names the view's drafter has
+        save_checkpoint(viewed, {**fresh, **{n: w for n, w in weights.items() if n in fresh}},
+                        out[view], dtype=weights["lm_head.weight"].dtype)
     return out
 
 
