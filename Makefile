@@ -6,7 +6,7 @@ export KVSHOT_DATA_DIR ?= $(CURDIR)/data
 
 .PHONY: setup demo test test-slow clean-data data-scale data-scale-8k train-scale data-long \
 	memory-study train-block-scale retrieval-study own-view-study \
-	memory-serving-study
+	memory-serving-study multiview-study
 
 setup: $(VENV)/.setup-done
 $(VENV)/.setup-done: pyproject.toml scripts/setup.sh
@@ -126,6 +126,26 @@ memory-serving-study: data-scale data-long
 	    --batch-size 1 --target $(SCALE_TARGET) --forward-dtype bfloat16 \
 	    --dataset $(KVSHOT_DATA_DIR)/datasets/long-$${spec%:*} \
 	    --out results/memory-hidden-long-$${spec%:*} || exit 1; \
+	done
+
+# Issue 15, goal 1: BudgetDraft's multi-view training of the shipped hidden-only drafter,
+# fine-tuned from it on views of its own cache (96, 128 and 256 tokens: the views that leave
+# something out of the training split's sequences of up to about 1K tokens), 120 steps of 4
+# sequences; then it and the shipped drafter (trained on the full cache only) are diagnosed on
+# the 4K and 7K buckets, full and at 128 and 256 tokens.
+MULTIVIEW_HIDDEN = $(KVSHOT_DATA_DIR)/runs/hidden-multiview/checkpoint
+multiview-study: data-scale data-long
+	$(VENV)/bin/kvshot train --paradigm hidden --init drafters/smollm2-135m-instruct/hidden \
+	  --multi-view 96:0.4 128:0.3 256:0.3 --view-draft-cache --view-block-size 32 \
+	  --preset full --steps 120 --batch-size 4 --lr 5e-4 --checkpoint-every 10 \
+	  --target $(SCALE_TARGET) --dataset $(SCALE_DATA) --forward-dtype bfloat16 \
+	  --name hidden-multiview
+	for bucket in 4096 7168; do \
+	  $(VENV)/bin/kvshot diagnose hidden=drafters/smollm2-135m-instruct/hidden \
+	    multi-view=$(MULTIVIEW_HIDDEN) --kv-budgets 128+own 256+own --batch-size 1 \
+	    --target $(SCALE_TARGET) --forward-dtype bfloat16 \
+	    --dataset $(KVSHOT_DATA_DIR)/datasets/long-$$bucket \
+	    --out results/hidden-multiview-long-$$bucket || exit 1; \
 	done
 
 # Retrieval against streaming views of the target's cache (issue 15), offline, at equal budgets:

@@ -508,10 +508,12 @@ def test_tensor_parallel_ranks_draft_what_one_rank_drafts(name, tp_target, data_
 # The plain block drafter's serving path is the block-ssm one's without the mixer, and the
 # streaming views of the budgeted KV-only, hybrid and block drafters are built by the builder
 # path that also builds the retrieval views (which then choose their blocks) and the hybrid's
-# viewed own cache: slow set.
+# viewed own cache; the hybrid's memory of both caches covers the memory paths of the others:
+# slow set.
 @pytest.mark.parametrize("name", [
     pytest.param(n, marks=pytest.mark.slow)
-    if n in ("block", "kv-budget", "hybrid-budget", "block-budget", "block-memory")
+    if n in ("block", "kv-budget", "hybrid-budget", "block-budget", "kv-memory", "block-memory",
+             "hidden-memory-draft")
     else n for n in [*PARITY_DRAFTERS, *BUDGETED_DRAFTERS]])
 def test_served_drafts_equal_training_side_drafts(name, target_fp32, data_dir, prompts,
                                                  tmp_path) -> None:

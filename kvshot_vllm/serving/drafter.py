@@ -178,6 +178,11 @@ def memory_slots(module: DraftAttention, attns: list[Attention], read: MemoryRea
     return slots.unflatten(2, (len(attns), module.kv_heads))
 
 
+# Requests whose rows in a pass are at most this many (decode passes) attend in one padded
+# batch; a pass with a longer one (a prompt's rows) attends request by request.
+PADDED_ROWS = 16
+
+
 def attend_with_memory(q: torch.Tensor, attn, read: MemoryRead, memory: torch.Tensor
                        ) -> torch.Tensor:
     """Attention over a view with a memory (`layers.draft_attention`'s with `memory`): the
@@ -190,33 +195,43 @@ def attend_with_memory(q: torch.Tensor, attn, read: MemoryRead, memory: torch.Te
     Row r of a request's R rows sees the view's keys up to its own, seq_len - R + r, as the
     kernel's causal bound, and every slot of its request. -> [T, H, d]."""
     heads, d = q.shape[1:]
-    kv_heads = memory.shape[2]
-    group = heads // kv_heads
+    n, kv_heads = memory.shape[0], memory.shape[2]
     exact = read.exact_kv(attn)  # [n, 2, KVH, W * block_size, d]
+    width = exact.shape[3]
     slots = memory.permute(0, 2, 1, 3, 4).flatten(2, 3)  # [n, KVH, M * slots, 2d]
-    per_chunk = memory.shape[3]
+    keys = torch.cat([exact[:, 0], slots[..., :d]], dim=2)  # [n, KVH, W * bs + M * slots, d]
+    values = torch.cat([exact[:, 1], slots[..., d:]], dim=2)
+    starts = read.query_start_loc.long()
+    rows = starts[1:] - starts[:-1]
+    # per request: its view's last key index seen by its last row, its slots
+    lens = read.seq_lens.long()
+    held = (read.chunks >= 0).sum(-1) * memory.shape[3]
     out = torch.empty_like(q)
-    starts, lens = read.query_start_loc.tolist(), read.seq_lens.tolist()
-    chunks = (read.chunks >= 0).sum(-1).tolist()
-    for i, (length, summarised) in enumerate(zip(lens, chunks)):
-        first, rows = starts[i], starts[i + 1] - starts[i]
-        if rows == 0:
-            continue
-        mem = slots[i, :, :summarised * per_chunk]
-        k = torch.cat([exact[i, 0, :, :length], mem[..., :d]], dim=1)  # [KVH, keys, d]
-        v = torch.cat([exact[i, 1, :, :length], mem[..., d:]], dim=1)
+    per_request = rows.tolist()
+    batches = ([slice(0, n)] if max(per_request, default=0) <= PADDED_ROWS
+               else [slice(i, i + 1) for i in range(n) if per_request[i] > 0])
+    key = torch.arange(keys.shape[2], device=q.device)
+    group = heads // kv_heads
+    for batch in batches:
+        r = max(per_request[batch])
+        row = torch.arange(r, device=q.device)
+        real = row < rows[batch, None]  # [b, R]
+        index = (starts[batch, None] + row).clamp(max=q.shape[0] - 1)  # [b, R]
         # a row before the view's first key (a long prompt's early rows, never sampled) sees
         # the first one, so that no row attends nothing
-        last = (length - rows + torch.arange(rows, device=q.device)).clamp(min=0)
-        key = torch.arange(k.shape[1], device=q.device)
-        seen = (key <= last.unsqueeze(1)) | (key >= length)  # [R, keys]
+        last = (lens[batch, None] - rows[batch, None] + row).clamp(min=0)  # [b, R]
+        seen = torch.where(key < width, key <= last.unsqueeze(-1),
+                           (key - width < held[batch, None, None]))  # [b, R, keys]
+        b = real.shape[0]
         # each KV head's G query heads and R rows as one batch of G * R queries
-        qg = q[first:first + rows].view(rows, kv_heads, group, d).permute(1, 2, 0, 3)
-        scores = torch.bmm(qg.reshape(kv_heads, group * rows, d), k.transpose(1, 2)) * d**-0.5
-        scores = scores.view(kv_heads, group, rows, -1).masked_fill(~seen, float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
-        o = torch.bmm(probs.view(kv_heads, group * rows, -1), v)  # [KVH, G * R, d]
-        out[first:first + rows] = o.view(kv_heads, group, rows, d).permute(2, 0, 1, 3).flatten(1, 2)
+        qg = q[index].view(b, r, kv_heads, group, d).permute(0, 2, 3, 1, 4)
+        scores = qg.reshape(b, kv_heads, group * r, d) @ keys[batch].transpose(2, 3) * d**-0.5
+        scores = scores.view(b, kv_heads, group, r, -1).masked_fill(~seen[:, None, None],
+                                                                   float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
+        o = probs.view(b, kv_heads, group * r, -1) @ values[batch]  # [b, KVH, G * R, d]
+        o = o.view(b, kv_heads, group, r, d).permute(0, 3, 1, 2, 4).reshape(b, r, heads, d)
+        out[index[real]] = o[real]
     return out
 
 
