@@ -14,8 +14,9 @@ block), the blocks between the sink and a shorter recent window are not all drop
 view. The query is that of the proposal's first draft row (the row carrying the bonus token), at
 the first attention over target K/V, group 0 (its first sampled layer), summed over heads; one
 choice per proposal, shared by every layer and head, because a served view is one block table
-per request. Choosing reads the mean keys of the gap, one layer's keys once per proposal (not
-cached between proposals yet), against a full view's every layer's K and V in every pass.
+per request. Choosing reads the mean keys of the gap, one layer's, once per proposal (served,
+each block's mean is kept between proposals: serving/backend.BlockSummaries), against a full
+view's every layer's K and V in every pass.
 
 Views are whole cache blocks, so that vLLM serves one as a shorter block table with no K/V
 copied (`serving/backend.py`), and training masks exactly the same keys
@@ -30,6 +31,8 @@ but summarised: each whole chunk of left-out keys becomes a few learned memory s
 (`memory.ChunkMemory`), so a draft step reads the sink, the memory and an exact recent window.
 Only whole chunks are summarised; the blocks of a chunk not yet wholly left out stay in the exact
 window, which is therefore between `tokens` and `tokens + chunk_tokens - block_size` keys long.
+Served, a chunk is one cache block, whose slots the view builder keeps per physical block
+(docs/architecture.md).
 """
 
 from __future__ import annotations

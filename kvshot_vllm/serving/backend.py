@@ -18,6 +18,8 @@ self-attention reads the same view of its own cache (`DraftCacheViewBuilderMixin
 view's length is known here, but which blocks it holds depends on the drafter's query: the
 drafter's first attention over target K/V chooses them in draft pass 0 (`RetrievalChoice`),
 writing them into that pass's view tables, and the later passes' tables are built with them.
+A view with a memory also hands its layers a `MemoryRead`: the view's pages, and the blocks whose
+memory slots (kept per physical block, `BlockSummaries`) they attend beside them.
 The contract between this builder and the drafter layers is `DraftKVPlan`
 (docs/architecture.md).
 """

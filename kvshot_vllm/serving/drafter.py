@@ -33,7 +33,6 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import (get_tensor_model_parallel_rank,
@@ -203,7 +202,7 @@ def attend_with_memory(q: torch.Tensor, attn, read: MemoryRead, memory: torch.Te
     values = torch.cat([exact[:, 1], slots[..., d:]], dim=2)
     starts = read.query_start_loc.long()
     rows = starts[1:] - starts[:-1]
-    # per request: its view's last key index seen by its last row, its slots
+    # per request: its keys in view (the last row's included) and its memory slots
     lens = read.seq_lens.long()
     held = (read.chunks >= 0).sum(-1) * memory.shape[3]
     out = torch.empty_like(q)
