@@ -95,6 +95,10 @@ class BlockSummaries:
 
     def invalidate(self, slot_mapping: torch.Tensor, block_size: int) -> None:
         """Forget the summaries of the blocks holding `slot_mapping`'s slots (PAD_SLOT: none)."""
+        # nothing summarised yet (a drafter without a retrieval view or a memory): no work in
+        # every pass 0
+        if not self._kept:
+            return
         blocks = torch.div(slot_mapping[slot_mapping >= 0], block_size, rounding_mode="floor")
         for _, fresh in self._kept.values():
             fresh[blocks.long()] = False
