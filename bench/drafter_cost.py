@@ -5,18 +5,21 @@
 - KV cache bytes per token the drafter adds (KV-reuse cross layers should add zero);
 - the number of max-length sequences vLLM admits in the same KV cache space.
 
-Drafting cost does not depend on the weights, so untrained drafters are measured.
+Drafting cost does not depend on the weights, so untrained drafters are measured, with the
+draft vocabulary of the trained ones (`--draft-vocab`, default the `full` preset's; lm_head is
+most of a pass's weight reads, so a smaller one weighs the layers more).
 
 With `--torch-matmul-too`, the plugin's drafters are also served as before their decode
 kernels (`KVSHOT_TORCH_MATMUL=1`: projections unfused, torch's matmul), in the same run.
 
-    python bench/drafter_cost.py [--k 3] [--torch-matmul-too] [--out bench/results/drafter_cost]
+    python bench/drafter_cost.py [--k 3] [--draft-vocab 8192] [--torch-matmul-too] [--out bench/results/drafter_cost]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -26,6 +29,7 @@ from pathlib import Path
 
 from kvshot_vllm.models.registry import paradigm_names
 from kvshot_vllm.results import write_results
+from kvshot_vllm.training.ttt import PRESETS
 from kvshot_vllm.serving.drafter import TORCH_MATMUL_ENV
 
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # timer installed by rpc
@@ -56,6 +60,17 @@ def _read_timer(worker) -> list[float]:
     return list(worker.model_runner.drafter.kvshot_times)
 
 
+def weight_mib(drafter: Path) -> float:
+    """The drafter's weights in MiB as served (bf16; d2t / t2d excluded): on a CPU a decode
+    pass costs about a read of the weights it uses, and a small draft vocabulary leaves the
+    layers most of them."""
+    from safetensors import safe_open
+
+    with safe_open(drafter / "model.safetensors", "pt") as f:
+        return sum(2 * math.prod(f.get_slice(n).get_shape())
+                   for n in f.keys() if n not in ("d2t", "t2d")) / 2**20
+
+
 def measure(target: Path, data_dir: Path, drafter: Path | None, k: int, max_tokens: int,
             max_model_len: int) -> dict:
     from vllm import SamplingParams
@@ -77,6 +92,7 @@ def measure(target: Path, data_dir: Path, drafter: Path | None, k: int, max_toke
               "max_concurrent_sequences": capacity_tokens // max_model_len}
     if spec is not None:
         llm.collective_rpc(_install_timer)
+        result["weights_mib"] = weight_mib(drafter)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     start = time.perf_counter()
     for prompt in PROMPTS:  # one request at a time: drafting latency at concurrency 1
@@ -101,6 +117,8 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--draft-vocab", type=int, default=PRESETS["full"].draft_vocab_size,
+                    help="the drafters' draft vocabulary (default: the full preset's)")
     ap.add_argument("--torch-matmul-too", action="store_true",
                     help="also serve the plugin's drafters unfused on torch's matmul")
     ap.add_argument("--out", default="bench/results/drafter_cost")
@@ -109,10 +127,11 @@ def main() -> None:
     data_dir = resolve_data_dir()
     configure_vllm_env(data_dir)
     target, _ = prepare_target(data_dir, "bfloat16")
-    drafters = {p: init_checkpoint(target, data_dir / "bench-drafters" / p, paradigm=p)
+    root = data_dir / "bench-drafters" / f"vocab-{a.draft_vocab}"
+    drafters = {p: init_checkpoint(target, root / p, paradigm=p, draft_vocab_size=a.draft_vocab)
                 for p in paradigm_names()}
-    drafters["block-ssm"] = init_checkpoint(target, data_dir / "bench-drafters" / "block-ssm",
-                                            paradigm="block", ssm_state_size=8)
+    drafters["block-ssm"] = init_checkpoint(target, root / "block-ssm", paradigm="block",
+                                            ssm_state_size=8, draft_vocab_size=a.draft_vocab)
     runs = {"no speculation": measure(target, data_dir, None, a.k, a.max_tokens,
                                       a.max_model_len)}
     for name, label in (("hidden", "stock EAGLE-3 (hidden-only)"), ("kv", "KV-only, 1 layer"),
@@ -138,19 +157,24 @@ def main() -> None:
                                                / stock["draft_step_ms_median"])
     env = {"python": sys.version.split()[0], "platform": platform.platform(),
            "dtype": runs["no speculation"]["engine"]["dtype"],
-           "k": a.k, "kv_cache_gib": os.environ["VLLM_CPU_KVCACHE_SPACE"],
+           "k": a.k, "draft_vocab": a.draft_vocab,
+           "kv_cache_gib": os.environ["VLLM_CPU_KVCACHE_SPACE"],
            "max_model_len": a.max_model_len, "command": " ".join(["python", *sys.argv])}
-    lines = [f"Drafter cost on {target.name}, k={a.k}, dtype {env['dtype']}, "
-             f"{env['kv_cache_gib']} GiB KV cache, max_model_len {a.max_model_len}.",
+    lines = [f"Drafter cost on {target.name}, k={a.k}, draft vocabulary {a.draft_vocab}, "
+             f"dtype {env['dtype']}, {env['kv_cache_gib']} GiB KV cache, "
+             f"max_model_len {a.max_model_len}.",
              f"Regenerate: `{env['command']}`", "",
              "| configuration | proposal ms (median) | draft step ms | vs stock EAGLE-3 "
-             "| drafter KV bytes/token | KV capacity (tokens) | max concurrent seqs |",
-             "|---|---|---|---|---|---|---|"]
+             "| weights MiB | drafter KV bytes/token | KV capacity (tokens) "
+             "| max concurrent seqs |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, r in runs.items():
         prop = f"{r['proposal_ms_median']:.2f}" if "proposal_ms_median" in r else "-"
         step = f"{r['draft_step_ms_median']:.2f}" if "draft_step_ms_median" in r else "-"
         ratio = f"{r['draft_step_vs_stock_eagle3']:.2f}x" if "draft_step_vs_stock_eagle3" in r else "-"
-        lines.append(f"| {name} | {prop} | {step} | {ratio} | {r['drafter_kv_bytes_per_token']:.0f} | "
+        mib = f"{r['weights_mib']:.1f}" if "weights_mib" in r else "-"
+        lines.append(f"| {name} | {prop} | {step} | {ratio} | {mib} "
+                     f"| {r['drafter_kv_bytes_per_token']:.0f} | "
                      f"{r['kv_capacity_tokens']} | {r['max_concurrent_sequences']} |")
     write_results(a.out, {"env": env, "runs": runs}, lines)
 

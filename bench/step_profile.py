@@ -17,11 +17,12 @@ each engine step is timed whole; timers wrapped around the worker's methods spli
 
 Figures are means over the timed steps after a warm-up request, in ms per engine step and per
 output token. Drafting cost does not depend on the weights, so the plugin's drafters are
-untrained unless a serving config names a trained one; tokens per step (the acceptance) does,
-and is reported beside. The engine runs eager by default, so that on a GPU forwards are not
-hidden in CUDA graph replays (the timers synchronize there); `--modes eager compiled` runs each
-configuration both ways and adds a table of the ratios (compiled: vLLM's torch.compile path,
-about a minute of compilation per engine start on 2 cores).
+untrained (with the `full` preset's draft vocabulary) unless a serving config names a trained
+one; tokens per step (the acceptance) does, and is reported beside. The engine runs eager by
+default, so that on a GPU forwards are not hidden in CUDA graph replays (the timers synchronize
+there); `--modes eager compiled` runs each configuration both ways and adds a table of the
+ratios (compiled: vLLM's torch.compile path, about a minute of compilation per engine start on
+2 cores).
 
     python bench/step_profile.py [--configs none ngram eagle3 kv hybrid block] [--k 3]
         [--levels 1 16] [--max-tokens 64] [--modes eager [compiled]]
@@ -211,6 +212,7 @@ def main() -> None:
     from kvshot_vllm.paths import resolve_data_dir
     from kvshot_vllm.results import write_results
     from kvshot_vllm.target import prepare_target
+    from kvshot_vllm.training.ttt import PRESETS
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", nargs="+", default=["none", "ngram", "eagle3", "kv", "hybrid",
@@ -235,12 +237,14 @@ def main() -> None:
     prompts = [s.prompt_token_ids for s in held_out][:a.requests]
     configs_dir = Path(__file__).parents[1] / "serving_configs"
     untrained = {}
+    vocab = PRESETS["full"].draft_vocab_size  # the trained drafters'
     for name in a.configs:  # a plugin config whose drafter is not here: an untrained one
         file = configs_dir / f"{name}.json"
         if file.is_file() and not (Path(json.loads(file.read_text())["model"])
                                    / "config.json").is_file():
-            untrained[name] = str(init_checkpoint(target, data_dir / "bench-drafters" / name,
-                                                  paradigm=name))
+            untrained[name] = str(init_checkpoint(
+                target, data_dir / "bench-drafters" / f"vocab-{vocab}" / name, paradigm=name,
+                draft_vocab_size=vocab))
     configs = load_configs(a.configs, configs_dir, a.k, models=untrained)
     runs: dict[str, dict[int, dict]] = {}
     for name, cfg in configs.items():

@@ -127,7 +127,8 @@ def cmd_drafter_init(a: argparse.Namespace) -> None:
     from kvshot_vllm.models.weights import init_checkpoint
 
     _, target = _target_arg(a)
-    out = init_checkpoint(target, Path(a.out), seed=a.seed, **_drafter_options(a))
+    vocab = {"draft_vocab_size": a.draft_vocab_size} if a.draft_vocab_size else {}
+    out = init_checkpoint(target, Path(a.out), seed=a.seed, **_drafter_options(a), **vocab)
     print(f"drafter: {out} ({a.paradigm}, untrained)")
 
 
@@ -423,6 +424,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_data_dir(p)
     _add_target(p)
     _add_drafter_options(p)
+    p.add_argument("--draft-vocab-size", type=int, help="draft vocabulary: the target's first N "
+                   "tokens (default: all of them)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_drafter_init)

@@ -41,6 +41,22 @@ def test_prepare_is_idempotent(target_fp32: Path, data_dir: Path) -> None:
     assert "im_start" in (target_fp32 / "chat_template.jinja").read_text()
 
 
+def test_fresh_drafter_takes_the_target_lm_head_rows_of_its_vocabulary(target_fp32: Path,
+                                                                      tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from kvshot_vllm.models.files import target_lm_head
+
+    proc = run_kvshot("drafter", "init", "--target", str(target_fp32), "--paradigm", "kv",
+                      "--draft-vocab-size", "4096", "--out", str(tmp_path / "kv"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    weights = load_file(tmp_path / "kv" / "model.safetensors")
+    head = target_lm_head(target_fp32).float()
+    assert weights["lm_head.weight"].shape == (4096, head.shape[1])
+    assert torch.equal(weights["lm_head.weight"], head[:4096])
+    assert not weights["d2t"].any()  # draft token i is target token i
+
+
 def test_missing_gguf(tmp_path: Path) -> None:
     proc = run_kvshot("target", "prepare", "--data-dir", str(tmp_path),
                       "--gguf", str(tmp_path / "nope.gguf"))

@@ -75,7 +75,9 @@ def save_checkpoint(cfg: DrafterConfig, weights: dict[str, torch.Tensor], out_di
 
 
 def init_checkpoint(target_dir: Path, out_dir: Path, seed: int = 0, **options) -> Path:
-    """A fresh drafter for the target in `target_dir`, with the target's lm_head."""
+    """A fresh drafter for the target in `target_dir`, with the target's lm_head (its first
+    `draft_vocab_size` rows: a fresh d2t maps draft token i to target token i)."""
     cfg = validated({"target": target_spec(target_dir), **options})
-    weights = init_weights(cfg, seed=seed, lm_head=target_lm_head(target_dir))
+    lm_head = target_lm_head(target_dir)[: cfg.draft_vocab_size]
+    weights = init_weights(cfg, seed=seed, lm_head=lm_head)
     return save_checkpoint(cfg, weights, out_dir)

@@ -26,7 +26,7 @@ one training runs; this module gives it vLLM's paged attention (`PagedAttention`
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +40,7 @@ from vllm.distributed import (get_tensor_model_parallel_rank,
                               tensor_model_parallel_all_reduce)
 from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.logger import init_logger
+from vllm.model_executor.custom_op import CustomOp
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.attention.attention import unified_kv_cache_update
 from vllm.model_executor.layers.rotary_embedding import get_rope
@@ -76,6 +77,22 @@ def target_attention_name(layer: int) -> str:
     return f"model.layers.{layer}.self_attn.attn"
 
 
+# RoPE in place: (positions [T], q [T, heads * d], k [T, kv_heads * d]) -> (q, k)
+Rotate = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def platform_kernel(op: CustomOp) -> Callable:
+    """A vLLM custom op's kernel for this platform. The drafter's layers run eagerly, outside
+    the graph vLLM compiles, but vLLM disables its custom ops when it compiles (inductor fuses
+    their torch-native forms there); called eagerly, RoPE's native form is a dozen small ops,
+    about 0.2 ms of a draft pass on 2 CPU cores."""
+    if current_platform.is_cpu():
+        return op.forward_cpu
+    if current_platform.is_rocm():
+        return op.forward_hip
+    return op.forward_cuda if current_platform.is_cuda() else op.forward_native
+
+
 class TargetKVAttention(DraftAttention):
     """The training side's cross-attention (same projections and weight names), attending
     through vLLM's paged attention op over the target's cache of the sampled layers: one
@@ -83,7 +100,7 @@ class TargetKVAttention(DraftAttention):
     [T, in] -> [T, hidden]."""
 
     def __init__(self, in_size: int, target: TargetSpec, kv_layers: list[int], first_index: int,
-                 rope: nn.Module, cache_config, memory: CompressedMemory | None) -> None:
+                 rope: Rotate, cache_config, memory: CompressedMemory | None) -> None:
         super().__init__(in_size, target, len(kv_layers), kv_layers, memory)
         self.rope = rope
         backend = draft_backend(platform_backend(), DraftKVBuilderMixin)
@@ -136,7 +153,7 @@ class PagedSelfAttention(DraftAttention):
     own (the drafter's K/V of every position it has run, as stock EAGLE-3 keeps them),
     [T, in] -> [T, hidden]."""
 
-    def __init__(self, in_size: int, target: TargetSpec, layer: int, rope: nn.Module,
+    def __init__(self, in_size: int, target: TargetSpec, layer: int, rope: Rotate,
                  cache_config, viewed: bool, memory: CompressedMemory | None) -> None:
         super().__init__(in_size, target, memory=memory)
         self.rope = rope
@@ -238,7 +255,7 @@ class PagedAttention:
     """`AttentionFactory` of serving: vLLM attention layers over paged caches, their layer
     names numbered after the target's layers (each name must be unique and hold one integer)."""
 
-    def __init__(self, cfg: DrafterConfig, rope: nn.Module, cache_config) -> None:
+    def __init__(self, cfg: DrafterConfig, rope: Rotate, cache_config) -> None:
         self.target, self.rope, self.cache_config = cfg.target, rope, cache_config
         self.next_cross_index = cfg.target.num_layers + cfg.eagle_layers
         self.view_draft_cache = cfg.kv_budget is not None and cfg.kv_budget.draft_cache
@@ -421,7 +438,8 @@ class KVShotEagle3LlamaForCausalLM(VerifiedEagle3LlamaForCausalLM):
     def _build_layers(self, vllm_config: VllmConfig, cache_config) -> None:
         """The paradigm's layers, this tensor-parallel rank's shards of them."""
         cfg = self.kvshot
-        cfg.spec.definition.build(self, cfg, PagedAttention(cfg, self.rope, cache_config))
+        cfg.spec.definition.build(self, cfg, PagedAttention(cfg, platform_kernel(self.rope),
+                                                             cache_config))
         if cfg.spec.one_block:
             self.block_rows = block_rows(vllm_config)
             self._max_len = vllm_config.model_config.max_model_len
