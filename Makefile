@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 export KVSHOT_DATA_DIR ?= $(CURDIR)/data
 
 .PHONY: setup demo test test-slow clean-data data-scale data-scale-8k train-scale data-long \
-	memory-study train-block-scale retrieval-study own-view-study \
+	memory-study train-block-scale train-kv-scale retrieval-study own-view-study \
 	memory-serving-study multiview-study
 
 setup: $(VENV)/.setup-done
@@ -45,18 +45,29 @@ train-scale: data-scale
 	  --dataset $(SCALE_DATA) --forward-dtype bfloat16 --snapshot-every 80 --out $(SCALE_RUN)
 	$(VENV)/bin/kvshot curve $(SCALE_RUN) --out results/curve-hidden
 
-# The block drafter at scale (results/block-warm.md): the `full` preset on data-scale's set,
-# warm-started from the shipped hidden-only drafter (fc, norm, lm_head; its layers are fresh),
-# about 85 minutes of training on 2 cores, after data-scale (about 75 minutes) and the features
-# of its 3,417 training sequences (over an hour: 18% done after 25 minutes beside other work).
-# Every stage resumes where a kill left it: rerun the same command.
-train-block-scale: data-scale
-	nice -n 10 $(VENV)/bin/kvshot train --paradigm block --preset full \
-	  --init drafters/smollm2-135m-instruct/hidden --target $(SCALE_TARGET) --dataset $(SCALE_DATA) \
-	  --forward-dtype bfloat16 --snapshot-every 80 --out $(KVSHOT_DATA_DIR)/runs/scale-block-warm
-	$(VENV)/bin/kvshot diagnose block-warm=$(KVSHOT_DATA_DIR)/runs/scale-block-warm/checkpoint \
+# A drafter at scale: $(call train_at_scale,NAME,OPTIONS) trains the `full` preset on
+# data-scale's set with the `kvshot train` OPTIONS, a snapshot every 80 steps for `kvshot curve`,
+# into runs/scale-NAME, then diagnoses it on the held-out split into results/NAME. Every stage
+# resumes where a kill left it: rerun the same command.
+define train_at_scale
+	nice -n 10 $(VENV)/bin/kvshot train $(2) --preset full --target $(SCALE_TARGET) \
+	  --dataset $(SCALE_DATA) --forward-dtype bfloat16 --snapshot-every 80 \
+	  --out $(KVSHOT_DATA_DIR)/runs/scale-$(1)
+	$(VENV)/bin/kvshot diagnose $(1)=$(KVSHOT_DATA_DIR)/runs/scale-$(1)/checkpoint \
 	  --target $(SCALE_TARGET) --dataset $(SCALE_DATA) --forward-dtype bfloat16 \
-	  --out results/block-warm
+	  --out results/$(1)
+endef
+
+# The block drafter, warm-started from the shipped hidden-only drafter (fc, norm, lm_head; its
+# layers are fresh): about 45 minutes of training on 2 cores (AMD EPYC), after data-scale (about
+# 75 minutes) and the features of its 3,417 training sequences (over an hour).
+train-block-scale: data-scale
+	$(call train_at_scale,block-warm,--paradigm block --init drafters/smollm2-135m-instruct/hidden)
+
+# The KV-only drafter, 1 layer over target layers 0 / 14 / 29 (the cheapest KV-only pass), from
+# scratch (it shares no layer with the hidden-only drafter); the block drafter's features.
+train-kv-scale: data-scale
+	$(call train_at_scale,kv-1L,--paradigm kv)
 
 # The next training set (issue 12 asks for several million response tokens): 8,192 training
 # conversations (the first 2,048 are data-scale's), the same 100 held-out ones, up to 2 turns:
