@@ -59,7 +59,7 @@ define train_at_scale
 endef
 
 # The block drafter, warm-started from the shipped hidden-only drafter (fc, norm, lm_head; its
-# layers are fresh): about 45 minutes of training on 2 cores (AMD EPYC), after data-scale (about
+# layers are fresh): about 70 minutes of training on 2 cores (AMD EPYC), after data-scale (about
 # 75 minutes) and the features of its 3,417 training sequences (over an hour).
 train-block-scale: data-scale
 	$(call train_at_scale,block-warm,--paradigm block --init drafters/smollm2-135m-instruct/hidden)
