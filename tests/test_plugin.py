@@ -243,10 +243,10 @@ def test_oracle_sabotage_shows_at_its_position(target_fp32, data_dir, prompts, b
     assert per_pos[2] >= 0.99 * per_pos[1], (per_pos, drafts)
 
 
-@pytest.mark.parametrize("paradigm", ["oracle", "hybrid-budget",
+@pytest.mark.parametrize("paradigm", ["hybrid-budget",
                                       *(pytest.param(p, marks=pytest.mark.slow) for p in
-                                        ("kv", "kv-retrieval", "hidden-budget", "kv-memory",
-                                         "hybrid-memory"))])
+                                        ("oracle", "kv", "kv-retrieval", "hidden-budget",
+                                         "kv-memory", "hybrid-memory"))])
 def test_lossless_under_preemption(paradigm, target_fp32, data_dir, prompts, long_baseline,
                                    drafters) -> None:
     """A KV cache too small for 16 growing requests: vLLM preempts and recomputes; every

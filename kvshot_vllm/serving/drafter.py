@@ -85,7 +85,7 @@ def platform_kernel(op: CustomOp) -> Callable:
     """A vLLM custom op's kernel for this platform. The drafter's layers run eagerly, outside
     the graph vLLM compiles, but vLLM disables its custom ops when it compiles (inductor fuses
     their torch-native forms there); called eagerly, RoPE's native form is a dozen small ops,
-    about 0.2 ms of a draft pass on 2 CPU cores."""
+    10x the kernel's time at a draft pass's rows (`python bench/rope_kernel.py`)."""
     if current_platform.is_cpu():
         return op.forward_cpu
     if current_platform.is_rocm():
