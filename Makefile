@@ -5,8 +5,8 @@ PY := $(VENV)/bin/python
 export KVSHOT_DATA_DIR ?= $(CURDIR)/data
 
 .PHONY: setup demo test test-slow clean-data data-scale data-scale-8k train-scale data-long \
-	memory-study train-block-scale train-kv-scale retrieval-study own-view-study \
-	memory-serving-study multiview-study
+	memory-study train-block-scale train-kv-scale train-hybrid-scale study-scale retrieval-study \
+	own-view-study memory-serving-study multiview-study
 
 setup: $(VENV)/.setup-done
 $(VENV)/.setup-done: pyproject.toml scripts/setup.sh
@@ -68,6 +68,31 @@ train-block-scale: data-scale
 # scratch (it shares no layer with the hidden-only drafter); the block drafter's features.
 train-kv-scale: data-scale
 	$(call train_at_scale,kv-1L,--paradigm kv)
+
+# The hybrid for the study at scale: the same 280 steps of the `full` preset that made the shipped
+# hidden-only drafter, from the same init (its first shipped version, 200 steps, restored from
+# git), so the two differ only in the paradigm: 3,840 training sequences each, like the KV-only
+# drafter's 480 steps from scratch. About an hour of training on 2 cores.
+HIDDEN_V1 = $(KVSHOT_DATA_DIR)/drafters/hidden-v1
+$(HIDDEN_V1)/manifest.json:
+	mkdir -p $(HIDDEN_V1)
+	for f in config.json model.safetensors manifest.json; do \
+	  git show 265a147:drafters/smollm2-135m-instruct/hidden/$$f > $(HIDDEN_V1)/$$f || exit 1; \
+	done
+train-hybrid-scale: data-scale $(HIDDEN_V1)/manifest.json
+	$(call train_at_scale,hybrid-study,--paradigm hybrid --steps 280 --init $(HIDDEN_V1))
+
+# Issue 12's study at the scale budget, diagnosed in one run on the held-out split: the drafters
+# of 3,840 training sequences (hidden-only, KV-only, hybrid), then the shipped hybrid and block
+# drafters, which trained further (their manifests count the tokens they inherited).
+study-scale: train-kv-scale train-hybrid-scale
+	$(VENV)/bin/kvshot diagnose hidden=drafters/smollm2-135m-instruct/hidden \
+	  kv-1L=$(KVSHOT_DATA_DIR)/runs/scale-kv-1L/checkpoint \
+	  hybrid=$(KVSHOT_DATA_DIR)/runs/scale-hybrid-study/checkpoint \
+	  hybrid-shipped=drafters/smollm2-135m-instruct/hybrid \
+	  block-shipped=drafters/smollm2-135m-instruct/block \
+	  --target $(SCALE_TARGET) --dataset $(SCALE_DATA) --forward-dtype bfloat16 \
+	  --out results/study-scale
 
 # The next training set (issue 12 asks for several million response tokens): 8,192 training
 # conversations (the first 2,048 are data-scale's), the same 100 held-out ones, up to 2 turns:
