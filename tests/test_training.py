@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from kvshot_vllm.errors import KVShotError
 from kvshot_vllm.models.drafter import load_drafter
 from kvshot_vllm.models.oracle import build_oracle
-from kvshot_vllm.training.diagnostics import stepwise_acceptance
+from kvshot_vllm.training.diagnostics import stepwise_acceptance, training_stats
 from kvshot_vllm.training.features import FeatureSet, FeatureSpec, extract_features
 from kvshot_vllm.training.pipeline import drafter_config, feature_spec, features_for
 from kvshot_vllm.training.ttt import Trainer, TrainConfig, ttt_loss, warm_start
@@ -301,7 +301,10 @@ def test_shipped_drafter_carries_provenance_and_refuses_bad_files(data_dir, targ
     assert manifest["budget"]["steps"] == 2 and manifest["seed"] == 0
     assert manifest["budget"]["tokens"] > manifest["budget"]["loss_tokens"] > 0
     assert manifest["data"]["dataset"] == dataset.name and manifest["data"]["sequences"] == 6
-    assert sorted(manifest["files"]) == ["config.json", "model.safetensors"]
+    assert sorted(manifest["files"]) == ["config.json", "metrics.jsonl", "model.safetensors"]
+    # diagnose reads the shipped drafter's own training log: the run's statistics
+    assert training_stats(shipped) == training_stats(run / "checkpoint")
+    assert training_stats(shipped)["steps"] == 2
     ours, theirs = (load_file(d / "model.safetensors") for d in (shipped, run / "checkpoint"))
     assert ours.keys() == theirs.keys()
     for name, w in ours.items():

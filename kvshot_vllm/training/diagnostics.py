@@ -73,10 +73,11 @@ def summarize(accepted: list[int], alive: list[int]) -> dict:
 
 
 def training_stats(checkpoint: Path) -> dict | None:
-    """Training time, gate and gradient statistics of the run that wrote `checkpoint`."""
-    run_dir = Path(checkpoint).parent
-    metrics = run_dir / "metrics.jsonl"
-    if not metrics.is_file():
+    """Training time, gate and gradient statistics of the run that wrote `checkpoint`, from its
+    log: beside a run's checkpoint, inside a shipped drafter (`kvshot ship` carries it)."""
+    logs = [p / "metrics.jsonl" for p in (Path(checkpoint), Path(checkpoint).parent)]
+    metrics = next((log for log in logs if log.is_file()), None)
+    if metrics is None:
         return None
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     if not rows:

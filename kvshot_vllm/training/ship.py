@@ -1,6 +1,7 @@
 """Shipping a trained drafter into the repository: bf16 weights, its config, and a manifest of
-where it came from (the command, data, budget and seed) with the sha256 of every file, which
-`verify_checkpoint` checks wherever the drafter is loaded (training side and inside vLLM).
+where it came from (the command, data, budget and seed), its training log, and the sha256 of
+every file, which `verify_checkpoint` checks wherever the drafter is loaded (training side and
+inside vLLM).
 
     kvshot ship RUN_DIR --name NAME [--out DIR]
 """
@@ -86,6 +87,9 @@ def ship_drafter(run_dir: Path, name: str, out: Path) -> Path:
     if tmp.exists():
         shutil.rmtree(tmp)
     save_checkpoint(cfg, load_file(checkpoint / "model.safetensors"), tmp, dtype=torch.bfloat16)
+    # the training log, so that `kvshot diagnose` of the shipped drafter still has its gate and
+    # gradient statistics once the run is gone
+    shutil.copy(Path(run_dir) / "metrics.jsonl", tmp / "metrics.jsonl")
     files = {f.name: {"sha256": sha256_of(f), "bytes": f.stat().st_size}
              for f in sorted(tmp.iterdir())}
     size = sum(f["bytes"] for f in files.values())
