@@ -29,7 +29,7 @@ from kvshot_vllm.errors import KVShotError
 from kvshot_vllm.models.budget import KVBudget
 from kvshot_vllm.models.drafter import Drafter, load_drafter
 from kvshot_vllm.training.features import FeatureSet, SplitFeatures
-from kvshot_vllm.training.ttt import chain_predictions, shifted
+from kvshot_vllm.training.ttt import METRICS_LOG, chain_predictions, shifted
 
 MIN_CHAINS = 50  # chains a step needs before its a_k is compared or plotted
 PREFIXES = (1024, 4096, 7168)  # prefix lengths of the draft-side memory table (bf16 K/V)
@@ -75,7 +75,7 @@ def summarize(accepted: list[int], alive: list[int]) -> dict:
 def training_stats(checkpoint: Path) -> dict | None:
     """Training time, gate and gradient statistics of the run that wrote `checkpoint`, from its
     log: beside a run's checkpoint, inside a shipped drafter (`kvshot ship` carries it)."""
-    logs = [p / "metrics.jsonl" for p in (Path(checkpoint), Path(checkpoint).parent)]
+    logs = [p / METRICS_LOG for p in (Path(checkpoint), Path(checkpoint).parent)]
     metrics = next((log for log in logs if log.is_file()), None)
     if metrics is None:
         return None

@@ -19,7 +19,7 @@ from kvshot_vllm.models.config import load_drafter_config
 from kvshot_vllm.models.files import MANIFEST, sha256_of, verify_checkpoint
 from kvshot_vllm.models.weights import save_checkpoint
 from kvshot_vllm.training.features import open_features
-from kvshot_vllm.training.ttt import TrainConfig, trained_tokens
+from kvshot_vllm.training.ttt import METRICS_LOG, TrainConfig, trained_tokens
 
 # A run directory's record of the command that trained it (`kvshot train` writes it).
 COMMAND_FILE = "command.txt"
@@ -34,7 +34,7 @@ def provenance(run_dir: Path) -> dict:
         raise KVShotError(f"no training run at {run_dir} (run.json missing)")
     run = json.loads((run_dir / "run.json").read_text())
     cfg = TrainConfig.model_validate(run["train"])
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics = [json.loads(line) for line in (run_dir / METRICS_LOG).read_text().splitlines()]
     if not metrics or metrics[-1]["step"] != cfg.steps:
         raise KVShotError(f"{run_dir} has not finished its {cfg.steps} steps; rerun its "
                           f"`kvshot train` command first")
@@ -89,7 +89,7 @@ def ship_drafter(run_dir: Path, name: str, out: Path) -> Path:
     save_checkpoint(cfg, load_file(checkpoint / "model.safetensors"), tmp, dtype=torch.bfloat16)
     # the training log, so that `kvshot diagnose` of the shipped drafter still has its gate and
     # gradient statistics once the run is gone
-    shutil.copy(Path(run_dir) / "metrics.jsonl", tmp / "metrics.jsonl")
+    shutil.copy(Path(run_dir) / METRICS_LOG, tmp / METRICS_LOG)
     files = {f.name: {"sha256": sha256_of(f), "bytes": f.stat().st_size}
              for f in sorted(tmp.iterdir())}
     size = sum(f["bytes"] for f in files.values())

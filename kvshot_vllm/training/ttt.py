@@ -36,6 +36,9 @@ from kvshot_vllm.models.drafter import Drafter, TargetFeatures, build_drafter
 from kvshot_vllm.models.weights import save_checkpoint
 from kvshot_vllm.training.features import SplitFeatures
 
+# one line per log interval in a run directory (and in a drafter `kvshot ship` made of it)
+METRICS_LOG = "metrics.jsonl"
+
 
 class MultiView(BaseModel):
     """BudgetDraft's multi-view training: each step also runs the chain under one sparse view
@@ -446,14 +449,14 @@ class Trainer:
 
     def _drop_metrics_after(self, step: int) -> None:
         """A killed run logged steps it is about to redo: keep the log as one clean run's."""
-        path = self.run_dir / "metrics.jsonl"
+        path = self.run_dir / METRICS_LOG
         if path.exists():
             keep = [line for line in path.read_text().splitlines(keepends=True)
                     if line.endswith("\n") and json.loads(line)["step"] <= step]
             path.write_text("".join(keep))
 
     def log(self, record: dict) -> None:
-        with (self.run_dir / "metrics.jsonl").open("a") as f:
+        with (self.run_dir / METRICS_LOG).open("a") as f:
             f.write(json.dumps(record) + "\n")
 
     def train(self, progress: bool = True) -> Path:
