@@ -11,8 +11,9 @@ Greedy chain drafting of K steps (default 7) from every response position:
                compare a_d / a_0 at the deepest step d where every drafter still has
                MIN_CHAINS chains (`common_depth`): ratios of a_k resting on a handful of
                chains are noise.
-From the training run beside a checkpoint (run.json, metrics.jsonl): training time, the hybrid's
-gate over training, and gradient RMS of the query against the K/V projections.
+From the training log (metrics.jsonl, beside a run's checkpoint or inside a shipped drafter):
+training time, the hybrid's gate over training, and gradient RMS of the query against the K/V
+projections.
 """
 
 from __future__ import annotations
