@@ -5,8 +5,9 @@ PY := $(VENV)/bin/python
 export KVSHOT_DATA_DIR ?= $(CURDIR)/data
 
 .PHONY: setup demo test test-slow clean-data data-scale data-scale-8k train-scale data-long \
-	memory-study train-block-scale train-kv-scale train-hybrid-scale study-scale retrieval-study \
-	own-view-study memory-serving-study multiview-study
+	memory-study train-block-scale train-kv-scale train-hybrid-scale train-hidden-v3 \
+	train-hidden-v4 study-scale retrieval-study own-view-study memory-serving-study \
+	multiview-study
 
 setup: $(VENV)/.setup-done
 $(VENV)/.setup-done: pyproject.toml scripts/setup.sh
@@ -69,18 +70,42 @@ train-block-scale: data-scale
 train-kv-scale: data-scale
 	$(call train_at_scale,kv-1L,--paradigm kv)
 
+# Earlier shipped versions of the hidden-only drafter, restored from git into DATA_DIR/drafters/
+# hidden-vN: the commit of each version's last change.
+HIDDEN_COMMIT_v1 = 265a147
+HIDDEN_COMMIT_v2 = 2888cf0
+HIDDEN_V1 = $(KVSHOT_DATA_DIR)/drafters/hidden-v1
+HIDDEN_V2 = $(KVSHOT_DATA_DIR)/drafters/hidden-v2
+$(KVSHOT_DATA_DIR)/drafters/hidden-%/manifest.json:
+	mkdir -p $(@D)
+	for f in config.json model.safetensors manifest.json; do \
+	  git show $(HIDDEN_COMMIT_$*):drafters/smollm2-135m-instruct/hidden/$$f > $(@D)/$$f || exit 1; \
+	done
+
 # The hybrid for the study at scale: the same 280 steps of the `full` preset that made the shipped
 # hidden-only drafter, from the same init (its first shipped version, 200 steps, restored from
 # git), so the two differ only in the paradigm: 3,840 training sequences each, like the KV-only
 # drafter's 480 steps from scratch. About an hour of training on 2 cores.
-HIDDEN_V1 = $(KVSHOT_DATA_DIR)/drafters/hidden-v1
-$(HIDDEN_V1)/manifest.json:
-	mkdir -p $(HIDDEN_V1)
-	for f in config.json model.safetensors manifest.json; do \
-	  git show 265a147:drafters/smollm2-135m-instruct/hidden/$$f > $(HIDDEN_V1)/$$f || exit 1; \
-	done
 train-hybrid-scale: data-scale $(HIDDEN_V1)/manifest.json
 	$(call train_at_scale,hybrid-study,--paradigm hybrid --steps 280 --init $(HIDDEN_V1))
+
+# The hidden-only drafter's third version: the `full` preset's 480 steps again, from its second
+# (restored from git), with a fresh cosine schedule: a second pass over data-scale's set. The
+# second version's curve flattened as its schedule decayed (results/curve-hidden-warm.md), while
+# the hybrid trained on for 280 more steps kept rising (results/curve-hybrid-warm2.md). About 50
+# minutes of training on 2 cores.
+train-hidden-v3: data-scale $(HIDDEN_V2)/manifest.json
+	$(call train_at_scale,hidden-v3,--paradigm hidden --init $(HIDDEN_V2))
+	$(VENV)/bin/kvshot curve $(KVSHOT_DATA_DIR)/runs/scale-hidden-v3 --out results/curve-hidden-v3
+
+# And a third pass, from the third version's run: its second pass had raised the held-out MAT
+# from 1.577 to 1.712 (results/hidden-v3.md). About 40 minutes of training on 2 cores.
+train-hidden-v4: data-scale
+	test -f $(KVSHOT_DATA_DIR)/runs/scale-hidden-v3/checkpoint/model.safetensors || \
+	  $(MAKE) train-hidden-v3
+	$(call train_at_scale,hidden-v4,--paradigm hidden \
+	  --init $(KVSHOT_DATA_DIR)/runs/scale-hidden-v3/checkpoint)
+	$(VENV)/bin/kvshot curve $(KVSHOT_DATA_DIR)/runs/scale-hidden-v4 --out results/curve-hidden-v4
 
 # Issue 12's study at the scale budget, diagnosed in one run on the held-out split: the drafters
 # of 3,840 training sequences (hidden-only, KV-only, hybrid), then the shipped hybrid and block
