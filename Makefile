@@ -108,12 +108,14 @@ train-hidden-v4: data-scale
 	$(VENV)/bin/kvshot curve $(KVSHOT_DATA_DIR)/runs/scale-hidden-v4 --out results/curve-hidden-v4
 
 # Issue 12's study at the scale budget, diagnosed in one run on the held-out split: the drafters
-# of 3,840 training sequences (hidden-only, KV-only, hybrid), then the shipped hybrid and block
-# drafters, which trained further (their manifests count the tokens they inherited).
-study-scale: train-kv-scale train-hybrid-scale
-	$(VENV)/bin/kvshot diagnose hidden=drafters/smollm2-135m-instruct/hidden \
+# of 3,840 training sequences (hidden-only: its second version, restored from git; KV-only,
+# hybrid), then the shipped drafters that trained further (their manifests count the tokens
+# they inherited).
+study-scale: train-kv-scale train-hybrid-scale $(HIDDEN_V2)/manifest.json
+	$(VENV)/bin/kvshot diagnose hidden=$(HIDDEN_V2) \
 	  kv-1L=$(KVSHOT_DATA_DIR)/runs/scale-kv-1L/checkpoint \
 	  hybrid=$(KVSHOT_DATA_DIR)/runs/scale-hybrid-study/checkpoint \
+	  hidden-shipped=drafters/smollm2-135m-instruct/hidden \
 	  hybrid-shipped=drafters/smollm2-135m-instruct/hybrid \
 	  block-shipped=drafters/smollm2-135m-instruct/block \
 	  --target $(SCALE_TARGET) --dataset $(SCALE_DATA) --forward-dtype bfloat16 \
