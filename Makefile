@@ -82,8 +82,8 @@ $(KVSHOT_DATA_DIR)/drafters/hidden-%/manifest.json:
 	  git show $(HIDDEN_COMMIT_$*):drafters/smollm2-135m-instruct/hidden/$$f > $(@D)/$$f || exit 1; \
 	done
 
-# The hybrid for the study at scale: the same 280 steps of the `full` preset that made the shipped
-# hidden-only drafter, from the same init (its first shipped version, 200 steps, restored from
+# The hybrid for the study at scale: the same 280 steps of the `full` preset that made the
+# hidden-only drafter's second version, from the same init (its first shipped version, 200 steps, restored from
 # git), so the two differ only in the paradigm: 3,840 training sequences each, like the KV-only
 # drafter's 480 steps from scratch. About an hour of training on 2 cores.
 train-hybrid-scale: data-scale $(HIDDEN_V1)/manifest.json
@@ -92,14 +92,15 @@ train-hybrid-scale: data-scale $(HIDDEN_V1)/manifest.json
 # The hidden-only drafter's third version: the `full` preset's 480 steps again, from its second
 # (restored from git), with a fresh cosine schedule: a second pass over data-scale's set. The
 # second version's curve flattened as its schedule decayed (results/curve-hidden-warm.md), while
-# the hybrid trained on for 280 more steps kept rising (results/curve-hybrid-warm2.md). About 50
-# minutes of training on 2 cores.
+# the hybrid trained on for 280 more steps kept rising (results/curve-hybrid-warm2.md). About 40
+# minutes of training on 2 cores, then its diagnosis and learning curve.
 train-hidden-v3: data-scale $(HIDDEN_V2)/manifest.json
 	$(call train_at_scale,hidden-v3,--paradigm hidden --init $(HIDDEN_V2))
 	$(VENV)/bin/kvshot curve $(KVSHOT_DATA_DIR)/runs/scale-hidden-v3 --out results/curve-hidden-v3
 
-# And a third pass, from the third version's run: its second pass had raised the held-out MAT
-# from 1.577 to 1.712 (results/hidden-v3.md). About 40 minutes of training on 2 cores.
+# And a third pass, from the third version's run, which had raised the held-out MAT from 1.577 to
+# 1.712 (results/hidden-v3.md): the shipped hidden-only drafter (`kvshot ship
+# DATA_DIR/runs/scale-hidden-v4 --name hidden`). About 40 minutes of training on 2 cores.
 train-hidden-v4: data-scale
 	test -f $(KVSHOT_DATA_DIR)/runs/scale-hidden-v3/checkpoint/model.safetensors || \
 	  $(MAKE) train-hidden-v3

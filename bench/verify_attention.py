@@ -1,15 +1,16 @@
 """The target's attention in a verify step on the CPU: k + 1 query rows per request, as vLLM
 hands them to its CPU kernel, against the same rows split into one-row requests.
 
-A verify step attends k + 1 rows per request over the request's whole prefix. vLLM's CPU
-kernel splits a long KV range over threads only for query tiles of one token (decode); a
-request with several rows is one work item per KV head however long its prefix, so at long
-prefixes a verify step's attention costs more than k + 1 decode rows would. Row r of a request
-with R rows and S keys attends keys [0, S - R + r], exactly what a one-row request with
-S - R + r + 1 keys attends, through the same block table (`rows_as_requests`), which the kernel
-may split over threads. Side by side in one run, on the target's heads and vLLM's
-default CPU block size, per prefix length, rows per request and concurrency: the kernel's time
-per call (median) both ways, and the largest difference between their outputs.
+A verify step attends k + 1 rows per request over the request's whole prefix, and at long
+prefixes vLLM's CPU kernel takes far longer for it than for a decode row (README, the
+long-context runs). This measures where that goes: the kernel's time for one and for k + 1 rows
+per request, as vLLM passes them, and for the same rows handed over as one-row requests. Row r
+of a request with R rows and S keys attends keys [0, S - R + r], exactly what a one-row request
+of S - R + r + 1 keys attends through the same block table (`rows_as_requests`), and the kernel
+schedules such requests as decode rows, splitting a long key range over threads. Side by side in
+one run, on the target's heads and vLLM's default CPU block size, per prefix length, rows per
+request, concurrency and thread count: the kernel's time per call (median) both ways, and the
+largest difference between their outputs.
 
     python bench/verify_attention.py [--threads N ...] [--out bench/results/verify_attention]
 """
