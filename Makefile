@@ -83,9 +83,9 @@ $(KVSHOT_DATA_DIR)/drafters/hidden-%/manifest.json:
 	done
 
 # The hybrid for the study at scale: the same 280 steps of the `full` preset that made the
-# hidden-only drafter's second version, from the same init (its first shipped version, 200 steps, restored from
-# git), so the two differ only in the paradigm: 3,840 training sequences each, like the KV-only
-# drafter's 480 steps from scratch. About an hour of training on 2 cores.
+# hidden-only drafter's second version, from the same init (its first shipped version, 200
+# steps, restored from git), so the two differ only in the paradigm: 3,840 training sequences
+# each, like the KV-only drafter's 480 steps from scratch. About an hour of training on 2 cores.
 train-hybrid-scale: data-scale $(HIDDEN_V1)/manifest.json
 	$(call train_at_scale,hybrid-study,--paradigm hybrid --steps 280 --init $(HIDDEN_V1))
 
