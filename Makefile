@@ -6,7 +6,7 @@ export KVSHOT_DATA_DIR ?= $(CURDIR)/data
 
 .PHONY: setup demo test test-slow clean-data data-scale data-scale-8k train-scale data-long \
 	memory-study train-block-scale train-kv-scale train-hybrid-scale train-hidden-v3 \
-	train-hidden-v4 study-scale retrieval-study own-view-study memory-serving-study \
+	train-hidden-v4 train-kv-v2 study-scale retrieval-study own-view-study memory-serving-study \
 	multiview-study
 
 setup: $(VENV)/.setup-done
@@ -107,6 +107,16 @@ train-hidden-v4: data-scale
 	$(call train_at_scale,hidden-v4,--paradigm hidden \
 	  --init $(KVSHOT_DATA_DIR)/runs/scale-hidden-v3/checkpoint)
 	$(VENV)/bin/kvshot curve $(KVSHOT_DATA_DIR)/runs/scale-hidden-v4 --out results/curve-hidden-v4
+
+# The KV-only drafter's second pass: the `full` preset's 480 steps again from kv-1L's run, with
+# a fresh cosine schedule (its curve was still rising when the first schedule decayed,
+# results/curve-kv-1L.md): 7,680 training sequences, as many as the hidden-only drafter's third
+# version (results/hidden-v3.md). About an hour of training on 2 cores.
+train-kv-v2: data-scale
+	test -f $(KVSHOT_DATA_DIR)/runs/scale-kv-1L/checkpoint/model.safetensors || \
+	  $(MAKE) train-kv-scale
+	$(call train_at_scale,kv-v2,--paradigm kv --init $(KVSHOT_DATA_DIR)/runs/scale-kv-1L/checkpoint)
+	$(VENV)/bin/kvshot curve $(KVSHOT_DATA_DIR)/runs/scale-kv-v2 --out results/curve-kv-v2
 
 # Issue 12's study at the scale budget, diagnosed in one run on the held-out split: the drafters
 # of 3,840 training sequences (hidden-only: its second version, restored from git; KV-only,
