@@ -70,16 +70,19 @@ train-block-scale: data-scale
 train-kv-scale: data-scale
 	$(call train_at_scale,kv-1L,--paradigm kv)
 
-# Earlier shipped versions of the hidden-only drafter, restored from git into DATA_DIR/drafters/
-# hidden-vN: the commit of each version's last change.
-HIDDEN_COMMIT_v1 = 265a147
-HIDDEN_COMMIT_v2 = 2888cf0
+# Earlier shipped drafters, restored from git into DATA_DIR/drafters/NAME-vN: the commit of each
+# version's last change to drafters/smollm2-135m-instruct/NAME.
+SHIPPED_COMMIT_hidden-v1 = 265a147
+SHIPPED_COMMIT_hidden-v2 = 2888cf0
+SHIPPED_COMMIT_kv-v1 = b1825b5
 HIDDEN_V1 = $(KVSHOT_DATA_DIR)/drafters/hidden-v1
 HIDDEN_V2 = $(KVSHOT_DATA_DIR)/drafters/hidden-v2
-$(KVSHOT_DATA_DIR)/drafters/hidden-%/manifest.json:
+KV_V1 = $(KVSHOT_DATA_DIR)/drafters/kv-v1
+$(KVSHOT_DATA_DIR)/drafters/%/manifest.json:
 	mkdir -p $(@D)
 	for f in config.json model.safetensors manifest.json; do \
-	  git show $(HIDDEN_COMMIT_$*):drafters/smollm2-135m-instruct/hidden/$$f > $(@D)/$$f || exit 1; \
+	  git show $(SHIPPED_COMMIT_$*):drafters/smollm2-135m-instruct/$(firstword $(subst -, ,$*))/$$f \
+	    > $(@D)/$$f || exit 1; \
 	done
 
 # The hybrid for the study at scale: the same 280 steps of the `full` preset that made the
@@ -108,14 +111,13 @@ train-hidden-v4: data-scale
 	  --init $(KVSHOT_DATA_DIR)/runs/scale-hidden-v3/checkpoint)
 	$(VENV)/bin/kvshot curve $(KVSHOT_DATA_DIR)/runs/scale-hidden-v4 --out results/curve-hidden-v4
 
-# The KV-only drafter's second pass: the `full` preset's 480 steps again from kv-1L's run, with
-# a fresh cosine schedule (its curve was still rising when the first schedule decayed,
-# results/curve-kv-1L.md): 7,680 training sequences, as many as the hidden-only drafter's third
-# version (results/hidden-v3.md). About an hour of training on 2 cores.
-train-kv-v2: data-scale
-	test -f $(KVSHOT_DATA_DIR)/runs/scale-kv-1L/checkpoint/model.safetensors || \
-	  $(MAKE) train-kv-scale
-	$(call train_at_scale,kv-v2,--paradigm kv --init $(KVSHOT_DATA_DIR)/runs/scale-kv-1L/checkpoint)
+# The KV-only drafter's second pass: the `full` preset's 480 steps again from its first shipped
+# version (kv-1L's run in bf16, restored from git), with a fresh cosine schedule (its curve was
+# still rising when the first schedule decayed, results/curve-kv-1L.md): 7,680 training
+# sequences, as many as the hidden-only drafter's third version (results/hidden-v3.md). About an
+# hour of training on 2 cores.
+train-kv-v2: data-scale $(KV_V1)/manifest.json
+	$(call train_at_scale,kv-v2,--paradigm kv --init $(KV_V1))
 	$(VENV)/bin/kvshot curve $(KVSHOT_DATA_DIR)/runs/scale-kv-v2 --out results/curve-kv-v2
 
 # And its third pass, from the second's run, which had raised the held-out MAT from 1.474 to
