@@ -173,3 +173,49 @@ def test_draft_lengths_are_separated() -> None:
     cad.seq_lens += 1
     assert cad.seq_lens_cpu_upper_bound.tolist() == [5, 17]
     assert Proposer().prepare_inputs(apart)[0].seq_lens_cpu_upper_bound is apart
+
+
+def _onednn_handle_freed_while_traced(release) -> tuple[list[int], int]:
+    """A real oneDNN matmul handle that only the cyclic collector frees, freed inside a
+    FakeTensorMode with the Python dispatcher (as while torch.compile traces a model), its
+    class's `__del__` being `release`: (the handles released, the handle's value)."""
+    import gc
+
+    from torch._dispatch.python import enable_python_dispatcher
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from vllm import _custom_ops as ops
+
+    handler = ops.create_onednn_mm(torch.randn(64, 32), 16)
+    value, released, dtor = int(handler.handler_tensor), [], handler.dtor
+    handler.dtor = lambda h: (released.append(h), dtor(h))
+    cycle = [handler]
+    cycle.append(cycle)
+    del handler, cycle
+    old = ops.CPUDNNLGEMMHandler.__del__
+    ops.CPUDNNLGEMMHandler.__del__ = release
+    try:
+        with FakeTensorMode(), enable_python_dispatcher():
+            gc.collect()
+    finally:
+        ops.CPUDNNLGEMMHandler.__del__ = old
+    return released, value
+
+
+def test_vllm_cpu_onednn_handle_release_still_fails_while_traced() -> None:
+    """Bug 4 (`cpu_fixes.release_handles_untraced`): vLLM's own release of a handle freed while
+    a model is traced raises inside its `__del__` (the error Python ignores here; inside
+    Dynamo formatting it recursed until the worker's stack overflowed), and the handle is never
+    released. When this fails, the workaround can go."""
+    from vllm import _custom_ops  # noqa: F401  (the class the workaround patches on import)
+
+    cpu_fixes.apply()
+    vllm_release = cpu_fixes._replaced[cpu_fixes.HANDLE_RELEASE]
+    assert _onednn_handle_freed_while_traced(vllm_release)[0] == []
+
+
+def test_onednn_handles_are_released_while_traced() -> None:
+    from vllm import _custom_ops as ops
+
+    cpu_fixes.apply()
+    released, value = _onednn_handle_freed_while_traced(ops.CPUDNNLGEMMHandler.__del__)
+    assert released == [value]

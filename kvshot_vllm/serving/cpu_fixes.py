@@ -1,4 +1,4 @@
-"""Local workarounds for three bugs of vLLM's CPU build, applied by the plugin in every vLLM
+"""Local workarounds for four bugs of vLLM's CPU build, applied by the plugin in every vLLM
 process (with or without speculation: they are not the plugin's, but a server that loads it
 should not have them).
 
@@ -30,6 +30,18 @@ step adds one to each, so draft step j attends j keys past its own position (slo
 an earlier proposal's drafts, or nothing). Stock EAGLE-3 drafts worse for it, and so do the
 plugin's drafters with a self-attention (the hybrid). `separate_draft_lengths` gives the upper
 bound a tensor of its own.
+
+4. An engine dies at start-up when the garbage collector frees a oneDNN matmul handle while
+torch.compile traces a model. `CPUDNNLGEMMHandler.__del__` releases the handle by reading
+it back with `handler_tensor.item()`; inside Dynamo's tracing (a FakeTensorMode and the Python
+dispatcher) that `item` of a real tensor raises an error whose message formats the tensor,
+and formatting a 0-d tensor calls `item` again: the recursion overflows the worker's stack
+("Fatal Python error: _Py_CheckRecursiveCall: Cannot recover from stack overflow", in tensor
+formatting while "Garbage-collecting"). Handles that only the cyclic collector frees are
+freed at its whim, so whether a given start crashes depends on how much else was allocated:
+bf16 engines of stock EAGLE-3 with `use_local_argmax_reduction`, and of the plugin's drafters
+with compiled layers, died at warm-up every time on an Intel AMX CPU with a cold compile
+cache. `release_handles_untraced` releases a handle with every tracing mode set aside.
 """
 
 from __future__ import annotations
@@ -42,12 +54,15 @@ from functools import wraps
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 # Set to 0 to run vLLM's own code (bench/sampling_controls.py --without-cpu-fixes shows bug 1).
 ENV = "KVSHOT_CPU_FIXES"
 EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
 CPU_MODEL_RUNNER = "vllm.v1.worker.cpu_model_runner"
 PROPOSER = "vllm.v1.spec_decode.llm_base_proposer"
+CUSTOM_OPS = "vllm._custom_ops"
+HANDLE_RELEASE = "vllm._custom_ops.CPUDNNLGEMMHandler.__del__"
 
 
 def expand_kernel(output: torch.Tensor, input_val: torch.Tensor, cu_num_tokens: torch.Tensor,
@@ -67,12 +82,13 @@ def vllm_expand_kernel():
     return _replaced.get(EXPAND_KERNEL, cpu_triton_utils._expand_kernel_impl)
 
 
-_replaced: dict = {}  # kernel name -> what vLLM had there before `apply`
+_replaced: dict = {}  # kernel or method name -> what vLLM had there before `apply`
 
 
 def apply() -> None:
     """Make the CPU platform register `expand_kernel` instead of its own, the CPU model
-    runner keep seeded streams, and EAGLE's draft lengths separate. The platform registers its
+    runner keep seeded streams, EAGLE's draft lengths separate and oneDNN handles released
+    untraced. The platform registers its
     kernels after the plugins are loaded (vLLM's worker init), reading them from
     `cpu_triton_utils` then; where it already has, the kernel is registered again."""
     if os.environ.get(ENV, "1") == "0":
@@ -85,6 +101,8 @@ def apply() -> None:
     # (seconds each), so the patch waits for the import.
     after_import(CPU_MODEL_RUNNER, lambda module: keep_seeded_streams(module.CPUModelRunner))
     after_import(PROPOSER, lambda module: separate_draft_lengths(module.SpecDecodeBaseProposer))
+    after_import(CUSTOM_OPS, lambda module: release_handles_untraced(
+        getattr(module, "CPUDNNLGEMMHandler", None)))
     _replaced.setdefault(EXPAND_KERNEL, cpu_triton_utils._expand_kernel_impl)
     cpu_triton_utils._expand_kernel_impl = expand_kernel
     from vllm.triton_utils import dispatcher
@@ -165,3 +183,23 @@ def separate_draft_lengths(proposer_cls: type) -> None:
 
     proposer_cls.prepare_inputs = prepare_inputs
     proposer_cls._kvshot_separate_draft_lengths = True
+
+
+def release_handles_untraced(handler_cls: type | None) -> None:
+    """Patch vLLM's oneDNN matmul handle class so that a handle freed while a model is traced
+    is released as it is otherwise: out of every torch function and dispatch mode and of the
+    Python dispatcher, which turn its `item()` into a recursion."""
+    if handler_cls is None or getattr(handler_cls, "_kvshot_releases_untraced", False):
+        return
+
+    _replaced.setdefault(HANDLE_RELEASE, handler_cls.__del__)
+
+    def __del__(self) -> None:
+        if self.handler_tensor is None:
+            return
+        with (torch._C.DisableTorchFunction(), _disable_current_modes(),
+              torch._C._DisablePythonDispatcher()):
+            self.dtor(self.handler_tensor.item())
+
+    handler_cls.__del__ = __del__
+    handler_cls._kvshot_releases_untraced = True
