@@ -33,8 +33,10 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
+from torch.library import Library
 
-from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.config import CompilationMode, VllmConfig, get_current_vllm_config
+from vllm.compilation.decorators import support_torch_compile
 from vllm.distributed import (get_tensor_model_parallel_rank,
                               get_tensor_model_parallel_world_size,
                               tensor_model_parallel_all_reduce)
@@ -47,6 +49,7 @@ from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
 from vllm.platforms import current_platform
+from vllm.utils.torch_utils import direct_register_custom_op
 
 from kvshot_vllm.errors import KVShotError
 from kvshot_vllm.models.budget import CompressedMemory
@@ -93,16 +96,77 @@ def platform_kernel(op: CustomOp) -> Callable:
     return op.forward_cuda if current_platform.is_cuda() else op.forward_native
 
 
-class TargetKVAttention(DraftAttention):
+class PagedDraftAttention(DraftAttention):
+    """A drafter attention served over vLLM's paged caches, [T, in] -> [T, hidden]: q/k/v, RoPE
+    and o_proj in the drafter's graph, and what lies between (`attend`) behind the custom op
+    `kvshot::paged_draft_attention`. What `attend` does depends on this pass's attention
+    metadata (the builder's plan, a view's memory), which torch.compile cannot trace; the op
+    is opaque to it, as vLLM's own attention op is, so the rest of a layer compiles."""
+
+    # a cross-attention's query and own key sit at the position of the carried token
+    position_offset = 0
+
+    def __init__(self, in_size: int, target: TargetSpec, rope: Rotate, groups: int = 1,
+                 target_layers: list[int] | None = None,
+                 memory: CompressedMemory | None = None) -> None:
+        super().__init__(in_size, target, groups, target_layers, memory)
+        self.rope = rope
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.project(x)
+        q, k = self.rope(positions + self.position_offset, q, k)
+        out = x.new_empty(x.shape[0], self.groups * self.heads * self.head_dim)
+        torch.ops.kvshot.paged_draft_attention(q, k, v, out, self.op_name)
+        return self.o_proj(out)
+
+    @property
+    def op_name(self) -> str:
+        """The vLLM layer through which the op finds this module (`_owner`)."""
+        return self.attns()[0].layer_name
+
+    def attns(self) -> list[Attention]:
+        raise NotImplementedError
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor
+               ) -> None:
+        """q [T, groups * heads * d], k, v [T, groups * kv_heads * d] (rotated) -> out
+        [T, groups * heads * d], in this pass's forward context."""
+        raise NotImplementedError
+
+    def _own(self) -> None:
+        """Make this module the one the op calls for its vLLM layer."""
+        object.__setattr__(self.attns()[0], "kvshot_owner", self)
+
+
+def paged_draft_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                          layer_name: str) -> None:
+    """`PagedDraftAttention.attend` of the module that owns vLLM layer `layer_name`, found as
+    vLLM's attention op finds its layer: in the engine's forward context."""
+    layer = get_forward_context().no_compile_layers[layer_name]
+    layer.kvshot_owner.attend(q, k, v, out)
+
+
+def _paged_draft_attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                out: torch.Tensor, layer_name: str) -> None:
+    return None
+
+
+# The op's library lives as long as the module: the op is unregistered with it.
+_KVSHOT_OPS = Library("kvshot", "FRAGMENT")
+direct_register_custom_op("paged_draft_attention", paged_draft_attention, mutates_args=["out"],
+                          fake_impl=_paged_draft_attention_fake, target_lib=_KVSHOT_OPS)
+
+
+class TargetKVAttention(PagedDraftAttention):
     """The training side's cross-attention (same projections and weight names), attending
     through vLLM's paged attention op over the target's cache of the sampled layers: one
-    attention per sampled layer over that layer's KV heads, outputs concatenated and projected,
-    [T, in] -> [T, hidden]."""
+    attention per sampled layer over that layer's KV heads, outputs concatenated and projected."""
+
+    position_offset = 1
 
     def __init__(self, in_size: int, target: TargetSpec, kv_layers: list[int], first_index: int,
                  rope: Rotate, cache_config, memory: CompressedMemory | None) -> None:
-        super().__init__(in_size, target, len(kv_layers), kv_layers, memory)
-        self.rope = rope
+        super().__init__(in_size, target, rope, len(kv_layers), kv_layers, memory)
         backend = draft_backend(platform_backend(), DraftKVBuilderMixin)
         # One vLLM attention per sampled layer, sharing that target layer's cache. A layer name
         # must hold exactly one integer (vLLM derives the layer index from it).
@@ -114,67 +178,73 @@ class TargetKVAttention(DraftAttention):
                       attn_backend=backend)
             for s, layer in enumerate(kv_layers)
         )
+        self._own()
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.project(x)
-        # Query and own key sit at the position of the carried token.
-        q, k = self.rope(positions + 1, q, k)
-        q = q.view(t, self.groups, self.heads * self.head_dim)
-        k = k.view(t, self.groups, self.kv_heads, self.head_dim)
-        v = v.view(t, self.groups, self.kv_heads, self.head_dim)
-        unused_kv = x.new_zeros(t, self.kv_heads * self.head_dim)
-        outs, memory = [], None
+    def attns(self) -> list[Attention]:
+        return list(self.attn)
+
+    def attend(self, q, k, v, out) -> None:
+        t, groups, d = q.shape[0], self.groups, self.head_dim
+        q = q.view(t, groups, self.heads, d)
+        k = k.view(t, groups, self.kv_heads, d)
+        v = v.view(t, groups, self.kv_heads, d)
+        outs = q.new_empty(groups, t, self.heads, d)  # each group's, contiguous for the kernel
+        unused_kv = q.new_zeros(t, self.kv_heads, d)  # the cache is the target layer's
+        written, memory = None, None
         for s, attn in enumerate(self.attn):
             metadata = _metadata(attn.layer_name)
             plan = draft_plan(metadata)
             if plan is not None and plan.retrieval is not None:
                 # the first such layer's first group chooses a retrieval view's blocks
-                plan.retrieval.choose(q[plan.first_rows, s].view(-1, self.heads, self.head_dim),
-                                      attn)
+                plan.retrieval.choose(q[plan.first_rows, s], attn)
             if plan is not None:
-                rows = plan.write_rows
-                attn.impl.do_kv_cache_update(attn, k[rows, s].contiguous(),
-                                             v[rows, s].contiguous(), attn.kv_cache,
+                if written is None or written[0] is not plan:
+                    # every group's K/V of the rows to write, [groups, n, KVH, d] each, once
+                    written = (plan, *(z[plan.write_rows].transpose(0, 1).contiguous()
+                                       for z in (k, v)))
+                attn.impl.do_kv_cache_update(attn, written[1][s], written[2][s], attn.kv_cache,
                                              plan.write_slots)
             read = memory_read(metadata)
             if read is None:
-                outs.append(attn(q[:, s], unused_kv, unused_kv))
+                # the backend's own attention, as vLLM's attention op calls it (the wrappers
+                # around that call cost more than the kernel at a draft pass's rows)
+                attn.impl.forward(attn, q[:, s], unused_kv, unused_kv, attn.kv_cache, metadata,
+                                  output=outs[s])
                 continue
             if memory is None:
-                memory = memory_slots(self, list(self.attn), read)
-            outs.append(attend_with_memory(q[:, s].view(t, self.heads, self.head_dim), attn,
-                                           read, memory[:, :, s]).flatten(1))
-        return self.o_proj(torch.cat(outs, dim=-1))
+                memory = memory_slots(self, self.attns(), read)
+            outs[s] = attend_with_memory(q[:, s], attn, read, memory[:, :, s])
+        out.view(t, groups, self.heads, d).copy_(outs.transpose(0, 1))
 
 
-class PagedSelfAttention(DraftAttention):
+class PagedSelfAttention(PagedDraftAttention):
     """The training side's EAGLE-3 self-attention through vLLM's paged op, with a cache of its
-    own (the drafter's K/V of every position it has run, as stock EAGLE-3 keeps them),
-    [T, in] -> [T, hidden]."""
+    own (the drafter's K/V of every position it has run, as stock EAGLE-3 keeps them)."""
 
     def __init__(self, in_size: int, target: TargetSpec, layer: int, rope: Rotate,
                  cache_config, viewed: bool, memory: CompressedMemory | None) -> None:
-        super().__init__(in_size, target, memory=memory)
-        self.rope = rope
+        super().__init__(in_size, target, rope, memory=memory)
         # viewed: it reads the drafter's view of its cache (`KVBudget.draft_cache`)
         backend = draft_backend(platform_backend(), DraftCacheViewBuilderMixin) if viewed else None
         self.attn = Attention(self.heads, self.head_dim, self.head_dim**-0.5,
                               num_kv_heads=self.kv_heads, cache_config=cache_config,
                               prefix=f"model.layers.{layer}.self_attn.attn", attn_backend=backend)
+        self._own()
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.project(x)
-        q, k = self.rope(positions, q, k)
+    def attns(self) -> list[Attention]:
+        return [self.attn]
+
+    def attend(self, q, k, v, out) -> None:
         read = memory_read(_metadata(self.attn.layer_name))
         if read is None:
-            return self.o_proj(self.attn(q, k, v))
+            out.copy_(self.attn(q, k, v))
+            return
         # the kernel's own write of this pass's K/V, then the view and memory in torch
-        unified_kv_cache_update(k.view(-1, self.kv_heads, self.head_dim),
-                                v.view(-1, self.kv_heads, self.head_dim), self.attn.layer_name)
+        unified_kv_cache_update(k.reshape(-1, self.kv_heads, self.head_dim),
+                                v.reshape(-1, self.kv_heads, self.head_dim), self.attn.layer_name)
         memory = memory_slots(self, [self.attn], read)[:, :, 0]
-        return self.o_proj(attend_with_memory(q.view(-1, self.heads, self.head_dim), self.attn,
-                                              read, memory).flatten(1))
+        out.copy_(attend_with_memory(q.reshape(-1, self.heads, self.head_dim), self.attn,
+                                     read, memory).flatten(1))
 
 
 def memory_slots(module: DraftAttention, attns: list[Attention], read: MemoryRead
@@ -281,15 +351,15 @@ class PagedContext:
     says what each row attends, so a module needs only the rows' positions."""
 
     positions: torch.Tensor  # [T]
-    block: tuple[int, int] | None = None  # a one-block pass: (requests n, rows k), rows in order
+    block_rows: int = 0  # a one-block pass: k rows per request, in order
 
     def attend(self, attn: DraftAttention, x: torch.Tensor) -> torch.Tensor:
         return attn(x, self.positions)
 
     def mix(self, scan: SelectiveScan, x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
         """The mixer scans each request's k block rows in order, from their shared cond."""
-        n, k = self.block
-        return scan.scan(x.view(n, k, -1), cond.view(n, k, -1)[:, 0]).flatten(0, 1)
+        k, h = self.block_rows, x.shape[-1]
+        return scan.scan(x.view(-1, k, h), cond.view(-1, k, h)[:, 0]).flatten(0, 1)
 
 
 @contextmanager
@@ -365,6 +435,40 @@ def _metadata(layer_name: str):
     return md.get(layer_name) if isinstance(md, dict) else None
 
 
+def _compiles_drafter_layers(vllm_config: VllmConfig) -> bool:
+    """Whether the plugin's layers run compiled: on CPUs, wherever vLLM compiles the target.
+    There vLLM traces each model once with dynamo, whole (no CUDA graphs to split for); on
+    GPUs its drafter runs in CUDA graphs that the plugin's cache writes are not yet captured
+    in (README, known limitations), so the layers stay eager."""
+    return (current_platform.is_cpu()
+            and vllm_config.compilation_config.mode != CompilationMode.NONE)
+
+
+@support_torch_compile(dynamic_arg_dims={"embeds": 0, "hidden": 0, "positions": 0},
+                       enable_if=_compiles_drafter_layers)
+class DraftLayerStack(nn.Module):
+    """A served drafter's own layers (the paradigm's definition) and its final norm, compiled
+    as vLLM compiles its own models (`support_torch_compile`: traced once for any number of
+    rows, no guards evaluated per call, which at a draft pass's few rows would cost more than
+    compiling saves). The attentions stay opaque calls (`kvshot::paged_draft_attention`)."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "", drafter: nn.Module,
+                 block_rows: int) -> None:
+        super().__init__()
+        # not a submodule: the drafter holds this stack, and its weights
+        object.__setattr__(self, "drafter", drafter)
+        self.block_rows = block_rows
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows embeds, hidden [T, hidden] at positions [T] (a block drafter's: `block_rows`
+        a request) -> (the normed output, the hidden state of the next step)."""
+        drafter = self.drafter
+        out, hidden = drafter.definition.forward(drafter, embeds, hidden,
+                                                 PagedContext(positions, self.block_rows))
+        return drafter.model.norm(out), hidden
+
+
 class VerifiedEagle3LlamaForCausalLM(Eagle3LlamaForCausalLM):
     """vLLM's EAGLE-3 drafter, after the checks a kvshot checkpoint allows: its files against a
     shipped drafter's manifest (vLLM's loader reads a corrupt or replaced safetensors file
@@ -438,10 +542,15 @@ class KVShotEagle3LlamaForCausalLM(VerifiedEagle3LlamaForCausalLM):
     def _build_layers(self, vllm_config: VllmConfig, cache_config) -> None:
         """The paradigm's layers, this tensor-parallel rank's shards of them."""
         cfg = self.kvshot
-        cfg.spec.definition.build(self, cfg, PagedAttention(cfg, platform_kernel(self.rope),
-                                                             cache_config))
+        compiled = _compiles_drafter_layers(vllm_config)
+        # compiled: RoPE's torch form, which inductor fuses; eager: the platform's kernel
+        rope = self.rope.forward_native if compiled else platform_kernel(self.rope)
+        self.definition = cfg.spec.definition  # looked up once: the compiled code reads it
+        self.definition.build(self, cfg, PagedAttention(cfg, rope, cache_config))
+        self.block_rows = block_rows(vllm_config)
+        object.__setattr__(self, "layer_stack", DraftLayerStack(
+            vllm_config=vllm_config, drafter=self, block_rows=self.block_rows))
         if cfg.spec.one_block:
-            self.block_rows = block_rows(vllm_config)
             self._max_len = vllm_config.model_config.max_model_len
             self._block: torch.Tensor | None = None  # [n, k, hidden] this proposal's rows
             self._logits: torch.Tensor | None = None  # [n, k, vocab] their logits
@@ -462,9 +571,7 @@ class KVShotEagle3LlamaForCausalLM(VerifiedEagle3LlamaForCausalLM):
             inputs_embeds = self.model.embed_input_ids(input_ids)
         if spec.one_block:
             return self._block_forward(inputs_embeds, positions, hidden_states)
-        out, hidden = spec.definition.forward(self, inputs_embeds, hidden_states,
-                                              PagedContext(positions))
-        return self.model.norm(out), hidden
+        return self.layer_stack(inputs_embeds, hidden_states, positions)
 
     def _block_forward(self, embeds: torch.Tensor, positions: torch.Tensor,
                        hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -475,20 +582,20 @@ class KVShotEagle3LlamaForCausalLM(VerifiedEagle3LlamaForCausalLM):
         (parallel_drafting, dflash) prepare their inputs with Triton kernels, which vLLM's CPU
         build lacks, so the block rides on the EAGLE-3 proposer."""
         plan = draft_plan(_metadata(self.kv_layers[0].cross.attn[0].layer_name))
-        # Profile and dummy runs have no plan: every row is a one-row block there.
+        # Profile and dummy runs have no plan: every row starts a block there (of k rows, the
+        # block the compiled layers are traced for).
         last = (plan.write_rows if plan is not None
                 else torch.arange(positions.shape[0], device=positions.device))
-        k = self.block_rows if plan is not None else 1
+        k = self.block_rows
         n, h = last.shape[0], embeds.shape[-1]
-        definition = self.kvshot.spec.definition
-        rows = torch.stack([definition.row_embeds(self, j, embeds[last]) for j in range(k)], 1)
+        rows = torch.stack([self.definition.row_embeds(self, j, embeds[last]) for j in range(k)],
+                           1)
         cond = hidden_states[last].unsqueeze(1).expand(n, k, h)
         pos = (positions[last].unsqueeze(1) + torch.arange(k, device=positions.device))
         pos = torch.where(pos < self._max_len, pos, torch.zeros_like(pos)).flatten()
         with _block_metadata(self._cross_layer_names() if plan is not None else []):
-            out, _ = definition.forward(self, rows.flatten(0, 1), cond.flatten(0, 1),
-                                        PagedContext(pos, block=(n, k)))
-        self._block = self.model.norm(out).view(n, k, h)
+            out, _ = self.layer_stack(rows.flatten(0, 1), cond.flatten(0, 1), pos)
+        self._block = out.view(n, k, h)
         out = out.new_zeros(positions.shape[0], h)
         out[last] = self._block[:, 0]  # where the proposer samples draft 0
         return out, out
