@@ -175,30 +175,39 @@ def test_draft_lengths_are_separated() -> None:
     assert Proposer().prepare_inputs(apart)[0].seq_lens_cpu_upper_bound is apart
 
 
-def _onednn_handle_freed_while_traced(release) -> tuple[list[int], int]:
-    """A real oneDNN matmul handle that only the cyclic collector frees, freed inside a
-    FakeTensorMode with the Python dispatcher (as while torch.compile traces a model), its
-    class's `__del__` being `release`: (the handles released, the handle's value)."""
+def _onednn_handle(released: list[int]):
+    """A real oneDNN matmul handle whose releases are appended to `released`: (it, its value)."""
+    from vllm import _custom_ops as ops
+
+    handler = ops.create_onednn_mm(torch.randn(64, 32), 16)
+    dtor = handler.dtor
+    handler.dtor = lambda h: (released.append(h), dtor(h))
+    return handler, int(handler.handler_tensor)
+
+
+def _handle_freed_while_traced(released: list[int], release) -> int:
+    """The value of a real oneDNN handle (releases appended to `released`) that only the cyclic
+    collector can free, freed inside a FakeTensorMode with the Python dispatcher (as while
+    torch.compile traces a model), its class's `__del__` being `release`."""
     import gc
 
     from torch._dispatch.python import enable_python_dispatcher
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from vllm import _custom_ops as ops
 
-    handler = ops.create_onednn_mm(torch.randn(64, 32), 16)
-    value, released, dtor = int(handler.handler_tensor), [], handler.dtor
-    handler.dtor = lambda h: (released.append(h), dtor(h))
+    handler, value = _onednn_handle(released)
+    cls, old = type(handler), type(handler).__del__
     cycle = [handler]
     cycle.append(cycle)
-    del handler, cycle
-    old = ops.CPUDNNLGEMMHandler.__del__
-    ops.CPUDNNLGEMMHandler.__del__ = release
+    gc.disable()  # so that the handle is freed inside the modes, not at an allocation before
+    cls.__del__ = release
     try:
+        del handler, cycle
         with FakeTensorMode(), enable_python_dispatcher():
             gc.collect()
     finally:
-        ops.CPUDNNLGEMMHandler.__del__ = old
-    return released, value
+        cls.__del__ = old
+        gc.enable()
+    return value
 
 
 def test_vllm_cpu_onednn_handle_release_still_fails_while_traced() -> None:
@@ -209,13 +218,19 @@ def test_vllm_cpu_onednn_handle_release_still_fails_while_traced() -> None:
     from vllm import _custom_ops  # noqa: F401  (the class the workaround patches on import)
 
     cpu_fixes.apply()
-    vllm_release = cpu_fixes._replaced[cpu_fixes.HANDLE_RELEASE]
-    assert _onednn_handle_freed_while_traced(vllm_release)[0] == []
+    released: list[int] = []
+    _handle_freed_while_traced(released, cpu_fixes._replaced[cpu_fixes.HANDLE_RELEASE])
+    assert released == []
 
 
-def test_onednn_handles_are_released_while_traced() -> None:
+def test_onednn_handles_freed_while_traced_are_released_after() -> None:
     from vllm import _custom_ops as ops
 
     cpu_fixes.apply()
-    released, value = _onednn_handle_freed_while_traced(ops.CPUDNNLGEMMHandler.__del__)
-    assert released == [value]
+    released: list[int] = []
+    traced_value = _handle_freed_while_traced(released, ops.CPUDNNLGEMMHandler.__del__)
+    assert released == [] and cpu_fixes._unreleased_handles
+    later, later_value = _onednn_handle(released)
+    del later
+    assert sorted(released) == sorted([traced_value, later_value])
+    assert not cpu_fixes._unreleased_handles

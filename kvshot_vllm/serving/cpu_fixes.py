@@ -41,7 +41,8 @@ formatting while "Garbage-collecting"). Handles that only the cyclic collector f
 freed at its whim, so whether a given start crashes depends on how much else was allocated:
 bf16 engines of stock EAGLE-3 with `use_local_argmax_reduction`, and of the plugin's drafters
 with compiled layers, died at warm-up every time on an Intel AMX CPU with a cold compile
-cache. `release_handles_untraced` releases a handle with every tracing mode set aside.
+cache. `release_handles_untraced` keeps a handle freed while tracing until the next one is
+freed outside of it, and releases both then.
 """
 
 from __future__ import annotations
@@ -54,7 +55,6 @@ from functools import wraps
 
 import numpy as np
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
 # Set to 0 to run vLLM's own code (bench/sampling_controls.py --without-cpu-fixes shows bug 1).
 ENV = "KVSHOT_CPU_FIXES"
@@ -187,19 +187,31 @@ def separate_draft_lengths(proposer_cls: type) -> None:
 
 def release_handles_untraced(handler_cls: type | None) -> None:
     """Patch vLLM's oneDNN matmul handle class so that a handle freed while a model is traced
-    is released as it is otherwise: out of every torch function and dispatch mode and of the
-    Python dispatcher, which turn its `item()` into a recursion."""
+    waits, and is released with the next one freed outside of tracing."""
     if handler_cls is None or getattr(handler_cls, "_kvshot_releases_untraced", False):
         return
-
     _replaced.setdefault(HANDLE_RELEASE, handler_cls.__del__)
 
     def __del__(self) -> None:
         if self.handler_tensor is None:
             return
-        with (torch._C.DisableTorchFunction(), _disable_current_modes(),
-              torch._C._DisablePythonDispatcher()):
-            self.dtor(self.handler_tensor.item())
+        _unreleased_handles.append(self.handler_tensor)
+        if _tracing():
+            return
+        while _unreleased_handles:
+            self.dtor(_unreleased_handles.pop().item())
 
     handler_cls.__del__ = __del__
     handler_cls._kvshot_releases_untraced = True
+
+
+_unreleased_handles: list[torch.Tensor] = []  # oneDNN handles freed while a model was traced
+
+
+def _tracing() -> bool:
+    """Whether an op called now would not run its CPU kernel: a dispatch mode is active
+    (dynamo's FakeTensorMode), a fake kernel runs (meta dispatch), or the Python dispatcher
+    routes ops to their Python decompositions."""
+    C = torch._C
+    return (C._len_torch_dispatch_stack() > 0 or C._meta_in_tls_dispatch_include()
+            or C._dispatch_tls_local_include_set().has(C.DispatchKey.PythonDispatcher))
