@@ -9,10 +9,18 @@ Drafting cost does not depend on the weights, so untrained drafters are measured
 draft vocabulary of the trained ones (`--draft-vocab`, default the `full` preset's; lm_head is
 most of a pass's weight reads, so a smaller one weighs the layers more).
 
-With `--torch-matmul-too`, the plugin's drafters are also served as before their decode
-kernels (`KVSHOT_TORCH_MATMUL=1`: projections unfused, torch's matmul), in the same run.
+Stock EAGLE-3 is served twice: with vLLM's default greedy drafts (the argmax over the target's
+vocabulary) and as the serving configs serve every drafter, with
+`"use_local_argmax_reduction": true` (the argmax over the draft vocabulary, mapped through
+d2t), so that the plugin's layers compare like for like.
 
-    python bench/drafter_cost.py [--k 3] [--draft-vocab 8192] [--torch-matmul-too] [--out bench/results/drafter_cost]
+With `--torch-matmul-too`, the plugin's drafters are also served as before their decode
+kernels (`KVSHOT_TORCH_MATMUL=1`: projections unfused, torch's matmul); with
+`--eager-layers-too`, as before their layers were compiled (`KVSHOT_EAGER_LAYERS=1`); each in
+the same run.
+
+    python bench/drafter_cost.py [--k 3] [--draft-vocab 8192] [--torch-matmul-too]
+        [--eager-layers-too] [--out bench/results/drafter_cost]
 """
 
 from __future__ import annotations
@@ -30,10 +38,12 @@ from pathlib import Path
 from kvshot_vllm.models.registry import paradigm_names
 from kvshot_vllm.results import write_results
 from kvshot_vllm.training.ttt import PRESETS
-from kvshot_vllm.serving.drafter import TORCH_MATMUL_ENV
+from kvshot_vllm.serving.drafter import EAGER_LAYERS_ENV, TORCH_MATMUL_ENV
 
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # timer installed by rpc
 
+STOCK = "stock EAGLE-3 (hidden-only)"
+LOCAL_STOCK = "stock EAGLE-3 + local argmax"
 PROMPTS = [
     "Explain how a hash map works, with an example in Python.",
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -72,14 +82,15 @@ def weight_mib(drafter: Path) -> float:
 
 
 def measure(target: Path, data_dir: Path, drafter: Path | None, k: int, max_tokens: int,
-            max_model_len: int) -> dict:
+            max_model_len: int, local_argmax: bool = True) -> dict:
     from vllm import SamplingParams
 
     from kvshot_vllm.engine import engine_settings, make_llm
 
     spec = None
     if drafter is not None:
-        spec = {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": k}
+        spec = {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": k,
+                "use_local_argmax_reduction": local_argmax}
         if json.loads((drafter / "config.json").read_text())["kvshot"]["paradigm"] != "hidden":
             spec["disable_padded_drafter_batch"] = True
     llm = make_llm(target, data_dir, speculative_config=spec, max_model_len=max_model_len,
@@ -121,6 +132,8 @@ def main() -> None:
                     help="the drafters' draft vocabulary (default: the full preset's)")
     ap.add_argument("--torch-matmul-too", action="store_true",
                     help="also serve the plugin's drafters unfused on torch's matmul")
+    ap.add_argument("--eager-layers-too", action="store_true",
+                    help="also serve the plugin's drafters with their layers eager")
     ap.add_argument("--out", default="bench/results/drafter_cost")
     a = ap.parse_args()
 
@@ -133,28 +146,37 @@ def main() -> None:
     drafters["block-ssm"] = init_checkpoint(target, root / "block-ssm", paradigm="block",
                                             ssm_state_size=8, draft_vocab_size=a.draft_vocab)
     runs = {"no speculation": measure(target, data_dir, None, a.k, a.max_tokens,
-                                      a.max_model_len)}
-    for name, label in (("hidden", "stock EAGLE-3 (hidden-only)"), ("kv", "KV-only, 1 layer"),
+                                      a.max_model_len),
+            STOCK: measure(target, data_dir, drafters["hidden"], a.k, a.max_tokens,
+                           a.max_model_len, local_argmax=False)}
+    print(STOCK, runs[STOCK], flush=True)
+    # the plugin's drafters also served as before a change, in the same run
+    variants = {label: env for wanted, label, env in (
+        (a.torch_matmul_too, "torch matmul", TORCH_MATMUL_ENV),
+        (a.eager_layers_too, "eager layers", EAGER_LAYERS_ENV)) if wanted}
+    for name, label in (("hidden", LOCAL_STOCK), ("kv", "KV-only, 1 layer"),
                         ("hybrid", "hybrid"), ("block", "block-parallel, 1 layer"),
                         ("block-ssm", "block-parallel + recurrent mixer")):
         runs[label] = measure(target, data_dir, drafters[name], a.k, a.max_tokens,
                               a.max_model_len)
         print(label, runs[label], flush=True)
-        if a.torch_matmul_too and name != "hidden":
-            os.environ[TORCH_MATMUL_ENV] = "1"
+        for variant, env_name in variants.items() if name != "hidden" else ():
+            os.environ[env_name] = "1"
             try:
-                runs[f"{label} (torch matmul)"] = measure(target, data_dir, drafters[name], a.k,
-                                                          a.max_tokens, a.max_model_len)
+                runs[f"{label} ({variant})"] = measure(target, data_dir, drafters[name], a.k,
+                                                       a.max_tokens, a.max_model_len)
             finally:
-                del os.environ[TORCH_MATMUL_ENV]
+                del os.environ[env_name]
 
-    base, stock = runs["no speculation"], runs["stock EAGLE-3 (hidden-only)"]
+    base, stock, local = runs["no speculation"], runs[STOCK], runs[LOCAL_STOCK]
     for r in runs.values():
         # every layer with a cache stores each token: what the drafter adds per token
         r["drafter_kv_bytes_per_token"] = r["kv_bytes_per_token"] - base["kv_bytes_per_token"]
         if "draft_step_ms_median" in r:
             r["draft_step_vs_stock_eagle3"] = (r["draft_step_ms_median"]
                                                / stock["draft_step_ms_median"])
+            r["draft_step_vs_local_argmax_eagle3"] = (r["draft_step_ms_median"]
+                                                      / local["draft_step_ms_median"])
     env = {"python": sys.version.split()[0], "platform": platform.platform(),
            "dtype": runs["no speculation"]["engine"]["dtype"],
            "k": a.k, "draft_vocab": a.draft_vocab,
@@ -164,16 +186,23 @@ def main() -> None:
              f"dtype {env['dtype']}, {env['kv_cache_gib']} GiB KV cache, "
              f"max_model_len {a.max_model_len}.",
              f"Regenerate: `{env['command']}`", "",
+             f"vs stock EAGLE-3: against vLLM's EAGLE-3 path (argmax over the target's "
+             f"vocabulary); vs EAGLE-3 + local argmax: against the same layers with the "
+             f"drafters' sampling.", "",
              "| configuration | proposal ms (median) | draft step ms | vs stock EAGLE-3 "
-             "| weights MiB | drafter KV bytes/token | KV capacity (tokens) "
-             "| max concurrent seqs |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| vs EAGLE-3 + local argmax | weights MiB | drafter KV bytes/token "
+             "| KV capacity (tokens) | max concurrent seqs |",
+             "|---|---|---|---|---|---|---|---|---|"]
+
+    def cell(r: dict, key: str, form: str, unit: str = "") -> str:
+        return format(r[key], form) + unit if key in r else "-"
+
     for name, r in runs.items():
-        prop = f"{r['proposal_ms_median']:.2f}" if "proposal_ms_median" in r else "-"
-        step = f"{r['draft_step_ms_median']:.2f}" if "draft_step_ms_median" in r else "-"
-        ratio = f"{r['draft_step_vs_stock_eagle3']:.2f}x" if "draft_step_vs_stock_eagle3" in r else "-"
-        mib = f"{r['weights_mib']:.1f}" if "weights_mib" in r else "-"
-        lines.append(f"| {name} | {prop} | {step} | {ratio} | {mib} "
+        lines.append(f"| {name} | {cell(r, 'proposal_ms_median', '.2f')} "
+                     f"| {cell(r, 'draft_step_ms_median', '.2f')} "
+                     f"| {cell(r, 'draft_step_vs_stock_eagle3', '.2f', 'x')} "
+                     f"| {cell(r, 'draft_step_vs_local_argmax_eagle3', '.2f', 'x')} "
+                     f"| {cell(r, 'weights_mib', '.1f')} "
                      f"| {r['drafter_kv_bytes_per_token']:.0f} | "
                      f"{r['kv_capacity_tokens']} | {r['max_concurrent_sequences']} |")
     write_results(a.out, {"env": env, "runs": runs}, lines)

@@ -146,10 +146,12 @@ def k3_runs(target_fp32, data_dir, prompts, drafters):
 
 
 def served_spec(drafter: Path, k: int) -> dict:
-    """The speculative config a drafter is served with: KV-reuse ones with the drafter batch
-    unpadded (the plugin warns otherwise)."""
+    """The speculative config a drafter is served with (as serving_configs/ serve them): greedy
+    drafts by the argmax over the draft vocabulary (the parity test below drafts through
+    vLLM's argmax over the target's), KV-reuse ones with the drafter batch unpadded (the
+    plugin warns otherwise)."""
     hidden = json.loads((drafter / "config.json").read_text())["kvshot"]["paradigm"] == "hidden"
-    return spec(drafter, k, **({} if hidden else NON_PADDED))
+    return spec(drafter, k, use_local_argmax_reduction=True, **({} if hidden else NON_PADDED))
 
 
 # Every registered paradigm, the block drafter's recurrent variant, and the test instrument.

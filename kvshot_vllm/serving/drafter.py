@@ -82,6 +82,8 @@ def target_attention_name(layer: int) -> str:
 
 # RoPE in place: (positions [T], q [T, heads * d], k [T, kv_heads * d]) -> (q, k)
 Rotate = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# A draft pass's logits: hidden states [T, hidden] -> [T, vocab]
+Logits = Callable[[torch.Tensor], torch.Tensor]
 
 
 def platform_kernel(op: CustomOp) -> Callable:
@@ -435,13 +437,19 @@ def _metadata(layer_name: str):
     return md.get(layer_name) if isinstance(md, dict) else None
 
 
+# Set to 1: the plugin's layers run eagerly where they would be compiled (for side-by-side cost
+# measurements: bench/drafter_cost.py --eager-layers-too).
+EAGER_LAYERS_ENV = "KVSHOT_EAGER_LAYERS"
+
+
 def _compiles_drafter_layers(vllm_config: VllmConfig) -> bool:
     """Whether the plugin's layers run compiled: on CPUs, wherever vLLM compiles the target.
     There vLLM traces each model once with dynamo, whole (no CUDA graphs to split for); on
     GPUs its drafter runs in CUDA graphs that the plugin's cache writes are not yet captured
     in (README, known limitations), so the layers stay eager."""
     return (current_platform.is_cpu()
-            and vllm_config.compilation_config.mode != CompilationMode.NONE)
+            and vllm_config.compilation_config.mode != CompilationMode.NONE
+            and os.environ.get(EAGER_LAYERS_ENV) != "1")
 
 
 @support_torch_compile(dynamic_arg_dims={"embeds": 0, "hidden": 0, "positions": 0},
@@ -607,26 +615,44 @@ class KVShotEagle3LlamaForCausalLM(VerifiedEagle3LlamaForCausalLM):
         out[: rows.shape[0]] = rows
         return out, out
 
-    def _block_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def _block_logits(self, hidden_states: torch.Tensor, logits_of: Logits) -> torch.Tensor:
         """A block drafter's logits of all k rows in one lm_head call in pass 0 (a small batch
         costs a read of lm_head's weights whatever its rows, so k calls cost about k times
         one); passes 1.. hand out their row. hidden_states [n, hidden]: the rows vLLM samples,
         the block's row `_draft_step` of each request."""
         n, k, _ = self._block.shape
         if hidden_states.shape[0] != n:  # not a proposal's rows (a dummy run): as vLLM would
-            return super().compute_logits(hidden_states)
+            return logits_of(hidden_states)
         if self._draft_step == 0:
-            self._logits = super().compute_logits(self._block.flatten(0, 1)).unflatten(0, (n, k))
+            self._logits = logits_of(self._block.flatten(0, 1)).unflatten(0, (n, k))
         return self._logits[:, self._draft_step]
 
     def _cross_layer_names(self) -> list[str]:
         return [attn.layer_name for layer in self.kv_layers for attn in layer.cross.attn]
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return self._draft_logits(hidden_states, super().compute_logits)
+
+    def get_top_tokens(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Greedy drafts with `"use_local_argmax_reduction": true` (the serving configs'): the
+        argmax over the draft vocabulary, mapped through d2t (vLLM's `LocalArgmaxMixin`), through
+        this drafter's draft positions. vLLM's default scatters every pass's logits over the
+        target's vocabulary (49,152 tokens on the embedded target) and takes the argmax there,
+        which on a CPU costs more than the draft vocabulary's lm_head."""
+        top = self._draft_logits(hidden_states, self._draft_vocab_logits).max(dim=-1).indices
+        d2t = self.draft_id_to_target_id
+        return top if d2t is None else top + d2t[top]
+
+    def _draft_vocab_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    def _draft_logits(self, hidden_states: torch.Tensor, logits_of: Logits) -> torch.Tensor:
+        """The logits (`logits_of`'s) of this pass's draft position; the next pass makes the
+        next position's."""
         if self.kvshot.spec.one_block and self._block is not None:
-            logits = self._block_logits(hidden_states)
+            logits = self._block_logits(hidden_states, logits_of)
         else:
-            logits = super().compute_logits(hidden_states)
+            logits = logits_of(hidden_states)
         step, self._draft_step = self._draft_step, self._draft_step + 1
         # Test hook: spoil one draft position on every other proposal, so that a test can see
         # the rejection at exactly that position of vLLM's acceptance counters, and that the
