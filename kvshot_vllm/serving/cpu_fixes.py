@@ -88,9 +88,9 @@ _replaced: dict = {}  # kernel or method name -> what vLLM had there before `app
 def apply() -> None:
     """Make the CPU platform register `expand_kernel` instead of its own, the CPU model
     runner keep seeded streams, EAGLE's draft lengths separate and oneDNN handles released
-    untraced. The platform registers its
-    kernels after the plugins are loaded (vLLM's worker init), reading them from
-    `cpu_triton_utils` then; where it already has, the kernel is registered again."""
+    untraced. The platform registers its kernels after the plugins are loaded (vLLM's worker
+    init), reading them from `cpu_triton_utils` then; where it already has, the kernel is
+    registered again."""
     if os.environ.get(ENV, "1") == "0":
         return
     try:
