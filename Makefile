@@ -120,9 +120,9 @@ train-kv-v2: data-scale $(KV_V1)/manifest.json
 	$(call train_at_scale,kv-v2,--paradigm kv --init $(KV_V1))
 	$(VENV)/bin/kvshot curve $(KVSHOT_DATA_DIR)/runs/scale-kv-v2 --out results/curve-kv-v2
 
-# And its third pass, from the second's run, which had raised the held-out MAT from 1.474 to
-# 1.696 (results/kv-v2.md): 11,520 training sequences, as many as the shipped hidden-only
-# drafter's. About an hour of training on 2 cores.
+# And its third pass, from the second's run (the shipped KV-only drafter; held-out MAT 1.730 in
+# results/kv-v2.md, still rising in results/curve-kv-v2.md): 11,520 training sequences, as many
+# as the shipped hidden-only drafter's. About an hour of training on 2 cores.
 train-kv-v3: data-scale
 	test -f $(KVSHOT_DATA_DIR)/runs/scale-kv-v2/checkpoint/model.safetensors || \
 	  $(MAKE) train-kv-v2
