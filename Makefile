@@ -6,7 +6,7 @@ export KVSHOT_DATA_DIR ?= $(CURDIR)/data
 
 .PHONY: setup demo test test-slow clean-data data-scale data-scale-8k train-scale data-long \
 	memory-study train-block-scale train-kv-scale train-hybrid-scale train-hidden-v3 \
-	train-hidden-v4 train-kv-v2 train-kv-v3 study-scale retrieval-study own-view-study \
+	train-hidden-v4 train-kv-v2 train-kv-v3 soft-targets-study study-scale retrieval-study own-view-study \
 	memory-serving-study multiview-study
 
 setup: $(VENV)/.setup-done
@@ -74,15 +74,17 @@ train-kv-scale: data-scale
 # version's last change to drafters/smollm2-135m-instruct/NAME.
 SHIPPED_COMMIT_hidden-v1 = 265a147
 SHIPPED_COMMIT_hidden-v2 = 2888cf0
+SHIPPED_COMMIT_hidden-v4 = fd368c4
 SHIPPED_COMMIT_kv-v1 = b1825b5
 HIDDEN_V1 = $(KVSHOT_DATA_DIR)/drafters/hidden-v1
 HIDDEN_V2 = $(KVSHOT_DATA_DIR)/drafters/hidden-v2
+HIDDEN_V4 = $(KVSHOT_DATA_DIR)/drafters/hidden-v4
 KV_V1 = $(KVSHOT_DATA_DIR)/drafters/kv-v1
 $(KVSHOT_DATA_DIR)/drafters/%/manifest.json:
 	mkdir -p $(@D)
-	for f in config.json model.safetensors manifest.json; do \
-	  git show $(SHIPPED_COMMIT_$*):drafters/smollm2-135m-instruct/$(firstword $(subst -, ,$*))/$$f \
-	    > $(@D)/$$f || exit 1; \
+	src=drafters/smollm2-135m-instruct/$(firstword $(subst -, ,$*)); \
+	for f in $$(git ls-tree --name-only $(SHIPPED_COMMIT_$*) $$src/); do \
+	  git show $(SHIPPED_COMMIT_$*):$$f > $(@D)/$$(basename $$f) || exit 1; \
 	done
 
 # The hybrid for the study at scale: the same 280 steps of the `full` preset that made the
@@ -128,6 +130,26 @@ train-kv-v3: data-scale
 	  $(MAKE) train-kv-v2
 	$(call train_at_scale,kv-v3,--paradigm kv --init $(KVSHOT_DATA_DIR)/runs/scale-kv-v2/checkpoint)
 	$(VENV)/bin/kvshot curve $(KVSHOT_DATA_DIR)/runs/scale-kv-v3 --out results/curve-kv-v3
+
+# Soft targets against hard ones (speculators trains against the verifier's distribution, the
+# project against its greedy token): the `full` preset cut to 240 steps (half a pass, its own
+# cosine schedule) from the shipped hidden-only drafter's fourth version (restored from git),
+# once against the target's greedy tokens and once against its distribution over its top 32
+# tokens (`--soft-targets 32`: features that hold them, another extraction), nothing else
+# different; then the init and both runs diagnosed on the held-out split in one report. About
+# 20 minutes of training each on 2 cores, and 15-35 for the extraction.
+SOFT_STUDY = $(KVSHOT_DATA_DIR)/runs/soft-study
+define train_half_pass
+	nice -n 10 $(VENV)/bin/kvshot train --paradigm hidden --init $(HIDDEN_V4) --preset full \
+	  --steps 240 $(2) --target $(SCALE_TARGET) --dataset $(SCALE_DATA) \
+	  --forward-dtype bfloat16 --snapshot-every 80 --out $(SOFT_STUDY)/$(1)
+endef
+soft-targets-study: data-scale $(HIDDEN_V4)/manifest.json
+	$(call train_half_pass,hard,)
+	$(call train_half_pass,soft,--soft-targets 32)
+	$(VENV)/bin/kvshot diagnose hidden-v4=$(HIDDEN_V4) hard=$(SOFT_STUDY)/hard/checkpoint \
+	  soft=$(SOFT_STUDY)/soft/checkpoint --target $(SCALE_TARGET) --dataset $(SCALE_DATA) \
+	  --forward-dtype bfloat16 --out results/soft-targets
 
 # Issue 12's study at the scale budget, diagnosed in one run on the held-out split: the drafters
 # of 3,840 training sequences (hidden-only: its second version, restored from git; KV-only,

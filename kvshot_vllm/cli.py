@@ -205,7 +205,8 @@ def cmd_train(a: argparse.Namespace) -> None:
     cfg = train_config(a.preset, steps=a.steps, batch_size=a.batch_size, lr=a.lr,
                        draft_vocab_size=a.draft_vocab_size, checkpoint_every=a.checkpoint_every,
                        snapshot_every=a.snapshot_every, multi_view=_multi_view(a),
-                       objective=a.objective, train=a.train_only)
+                       objective=a.objective, train=a.train_only,
+                       soft_targets=a.soft_targets)
     data_dir, target, dataset = _training_inputs(a)
     linear = "-linear" if a.kv_projection == "linear" else ""
     name = a.name or f"{a.paradigm}-{a.num_layers}L{linear}-{a.preset}"
@@ -481,6 +482,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-vocab-size", type=int)
     p.add_argument("--checkpoint-every", type=int, help="steps between checkpoints (state.pt "
                    "and the servable checkpoint; default: the preset's)")
+    p.add_argument("--soft-targets", type=int, metavar="K",
+                   help="train against the target's distribution over its K most likely next "
+                   "tokens (soft targets, as speculators does; the features then hold them), "
+                   "not only its greedy token")
     p.add_argument("--snapshot-every", type=int, help="also keep the servable checkpoint every "
                    "N steps under RUN_DIR/snapshots (the points of `kvshot curve`)")
     p.add_argument("--multi-view", nargs="*", metavar="TOKENS:P",

@@ -59,8 +59,10 @@ def train_features(data_dir, target_fp32, dataset) -> FeatureSet:
 def test_features_equal_what_the_target_caches(target_fp32, dataset, tmp_path) -> None:
     from transformers import AutoModelForCausalLM
 
-    spec = FeatureSpec(aux_layers=(2, 15, 27), kv_layers=(0, 14, 29), dtype="float32")
+    spec = FeatureSpec(aux_layers=(2, 15, 27), kv_layers=(0, 14, 29), dtype="float32",
+                       teacher_topk=8)
     fs = FeatureSet(extract_features(target_fp32, dataset, "heldout", tmp_path, spec))
+    assert fs.path.name.endswith("-top8")
     item = fs.item(1)
     model = AutoModelForCausalLM.from_pretrained(target_fp32, dtype=torch.float32)
     with torch.no_grad():
@@ -71,6 +73,9 @@ def test_features_equal_what_the_target_caches(target_fp32, dataset, tmp_path) -
         torch.testing.assert_close(item[f"v.{layer}"], cache.values[0].transpose(0, 1))
     torch.testing.assert_close(item["aux"][:, 576:1152], out.hidden_states[15][0])
     assert torch.equal(item["labels"], out.logits[0].argmax(-1).int())
+    top = out.logits[0].topk(8)
+    assert torch.equal(item["teacher_ids"], top.indices.int())
+    torch.testing.assert_close(item["teacher_logits"], top.values)
 
 
 def test_live_features_equal_cached_ones(target_fp32, dataset, train_features,
@@ -140,10 +145,10 @@ def test_oracle_is_accepted_offline(data_dir, target_fp32, dataset, tmp_path) ->
 
 
 def _trainer(run_dir, target, features, paradigm, steps=12, snapshot_every=None, init=None,
-             **options) -> Trainer:
+             soft_targets=0, **options) -> Trainer:
     cfg = TrainConfig(steps=steps, batch_size=2, lr=3e-3, warmup=2, draft_vocab_size=2048,
                       checkpoint_every=4, log_every=2, ttt_steps=4,
-                      snapshot_every=snapshot_every)
+                      snapshot_every=snapshot_every, soft_targets=soft_targets)
     dcfg = drafter_config(target, cfg, init, paradigm=paradigm, **options)
     return Trainer(run_dir, dcfg, cfg, target, features, init=init)
 
@@ -167,6 +172,29 @@ def test_training_reduces_loss(paradigm, target_fp32, train_features, tmp_path) 
     log = [json.loads(line) for line in (tmp_path / paradigm / "metrics.jsonl").open()]
     assert [r["step"] for r in log] == [2, 4, 6, 8, 10, 12]
     assert log[-1]["grad_rms"]["cross.kv" if paradigm == "kv" else "self.kv"] > 0
+
+
+def test_soft_targets_train_from_features_that_hold_them(data_dir, target_fp32, dataset,
+                                                        train_features, tmp_path) -> None:
+    """`--soft-targets K` extracts features with the target's top K and trains against them;
+    the loss goes down as with hard targets. Features without them are refused by name."""
+    with pytest.raises(KVShotError, match="soft targets over the top 16 tokens need features"):
+        _trainer(tmp_path / "refused", target_fp32, train_features, "hidden", soft_targets=16)
+    run = tmp_path / "cli"
+    proc = run_kvshot("train", "--paradigm", "hidden", "--steps", "2", "--batch-size", "2",
+                      "--soft-targets", "16", "--target", str(target_fp32), "--dataset",
+                      str(dataset), "--data-dir", str(data_dir), "--out", str(run))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    recorded = json.loads((run / "run.json").read_text())
+    assert recorded["train"]["soft_targets"] == 16
+    features = FeatureSet(Path(recorded["features"]))
+    assert features.path.name.endswith("-top16") and features.params["teacher_topk"] == 16
+
+    trainer = _trainer(tmp_path / "soft", target_fp32, features, "hidden", soft_targets=16)
+    before = _loss(trainer, features)
+    trainer.train(progress=False)
+    after = _loss(trainer, features)
+    assert after < 0.8 * before, (before, after)
 
 
 def test_learning_curve_of_snapshots(data_dir, target_fp32, dataset, train_features,

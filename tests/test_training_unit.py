@@ -368,3 +368,59 @@ def test_features_of_a_long_data_set_hold_its_sequences_whole(tmp_path) -> None:
     (tmp_path / "params.json").write_text(json.dumps({"long_prefix": None,
                                                       "max_new_tokens": 256}))
     assert sequence_limit(tmp_path) == MAX_LEN
+
+
+def test_soft_targets_are_the_targets_distribution_seen_by_the_draft_vocabulary() -> None:
+    """Soft cross-entropy is the KL divergence from the target's top-K distribution,
+    renormalised over the tokens the draft vocabulary holds, plus that distribution's entropy;
+    rows whose top K are all outside the draft vocabulary leave it, and a teacher sure of one
+    token gives back the hard cross-entropy."""
+    from kvshot_vllm.training.ttt import hard_cross_entropy, soft_cross_entropy
+
+    t2d = torch.tensor([-1, 0, 1, -1, 2, 3, 4, -1, 5, -1])  # target vocab 10, draft vocab 6
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 6, generator=g)
+    ids = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7], [8, 1, 0, 4], [1, 2, 4, 5]])
+    teacher = torch.randn(4, 4, generator=g)
+    p = torch.zeros(4, 6)
+    for r in range(4):
+        inside = [k for k in range(4) if t2d[ids[r, k]] >= 0]
+        probs = torch.softmax(teacher[r, inside], -1)
+        for k, pk in zip(inside, probs):
+            p[r, t2d[ids[r, k]]] = pk
+    entropy = -(p * p.clamp(min=1e-30).log()).sum(-1).mean()
+    kl = torch.nn.functional.kl_div(torch.log_softmax(logits, -1), p, reduction="batchmean")
+    torch.testing.assert_close(soft_cross_entropy(logits, ids, teacher, t2d), kl + entropy)
+
+    outside = torch.tensor([[0, 3, 7, 9]])  # none in the draft vocabulary
+    assert soft_cross_entropy(logits[:1], outside, teacher[:1], t2d) is None
+    torch.testing.assert_close(
+        soft_cross_entropy(torch.cat([logits, logits[:1]]), torch.cat([ids, outside]),
+                           torch.cat([teacher, teacher[:1]]), t2d),
+        soft_cross_entropy(logits, ids, teacher, t2d))
+
+    sure = teacher.clone()
+    sure[:, 1] = 100.0  # token ids[:, 1], inside the draft vocabulary in every row
+    torch.testing.assert_close(soft_cross_entropy(logits, ids, sure, t2d),
+                               hard_cross_entropy(logits, ids[:, 1], t2d))
+
+
+@pytest.mark.parametrize("paradigm", ["hidden", "kv"])
+def test_soft_targets_of_a_sure_teacher_give_the_chains_hard_loss(paradigm: str) -> None:
+    """Each draft step's soft targets are the teacher's at that step's label position: with a
+    teacher whose top token is the label and sure of it, the chain's soft loss is its hard
+    loss. A teacher shifted by one position against the labels is not."""
+    from kvshot_vllm.training.ttt import ttt_loss
+
+    drafter = tiny_drafter(paradigm)
+    feats, labels, trainable, t2d = tiny_batch(drafter)
+    others = (labels[..., None] + torch.arange(1, 4)) % TINY.vocab_size
+    ids = torch.cat([labels[..., None], others], -1)  # [1, T, 4]
+    logits = torch.tensor([60.0, 0.0, -1.0, -2.0]).expand(*labels.shape, 4)
+    hard = ttt_loss(drafter, feats, labels, trainable, TrainConfig(steps=1), t2d)[0]
+    soft_cfg = TrainConfig(steps=1, soft_targets=4)
+    feats.teacher = (ids, logits)
+    torch.testing.assert_close(ttt_loss(drafter, feats, labels, trainable, soft_cfg, t2d)[0],
+                               hard)
+    feats.teacher = (ids.roll(1, dims=1), logits)
+    assert (ttt_loss(drafter, feats, labels, trainable, soft_cfg, t2d)[0] - hard).abs() > 0.1

@@ -89,12 +89,15 @@ class TargetFeatures:
     input_ids: torch.Tensor  # [B, T] long
     aux_hidden: torch.Tensor | None  # [B, T, len(aux_layers) * hidden]
     target_kv: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> (K, V) [B, KVH, T, d]
+    # the target's top K next tokens and their logits, (ids, logits) [B, T, K]: soft targets
+    teacher: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def to(self, device: torch.device | str) -> "TargetFeatures":
         return TargetFeatures(
             self.input_ids.to(device),
             None if self.aux_hidden is None else self.aux_hidden.to(device),
-            {layer: (k.to(device), v.to(device)) for layer, (k, v) in self.target_kv.items()})
+            {layer: (k.to(device), v.to(device)) for layer, (k, v) in self.target_kv.items()},
+            None if self.teacher is None else tuple(t.to(device) for t in self.teacher))
 
 
 class Rope(nn.Module):

@@ -6,6 +6,8 @@ gives:
     aux         [T, A * hidden]  the input of each aux layer (what vLLM hands EAGLE-3)
     k.L, v.L    [T, KVH, d]      K (after RoPE) and V that the target caches for layer L: the
                                  exact contents of vLLM's paged cache that a drafter reads
+    teacher_ids, teacher_logits  [T, K]  with `teacher_topk` K: the target's K most likely next
+                                 tokens and their logits, the soft targets of training
 Shards of `shard_size` sequences are safetensors files written beside and renamed into place, so
 a killed extraction resumes at the first missing shard. `manifest.json` records the target,
 the layers, the dtype and the measured throughput of extraction and of loading back.
@@ -16,7 +18,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -39,12 +41,15 @@ class FeatureSpec:
     # train_speed.md), and its labels are the greedy tokens of a bf16 engine, which is what
     # vLLM serves on such CPUs by default (README, "CPU notes").
     forward_dtype: str = "float32"
+    # 0: the target's greedy token alone (`labels`); K: also its top K (`TrainConfig.soft_targets`)
+    teacher_topk: int = 0
 
     def dir_name(self, split: str) -> str:
         aux = "-".join(map(str, self.aux_layers))
         kv = "-".join(map(str, self.kv_layers))
         forward = "" if self.forward_dtype == "float32" else f"-fwd-{self.forward_dtype}"
-        return f"{split}-aux{aux}-kv{kv}-len{self.max_len}-{self.dtype}{forward}"
+        teacher = f"-top{self.teacher_topk}" if self.teacher_topk else ""
+        return f"{split}-aux{aux}-kv{kv}-len{self.max_len}-{self.dtype}{forward}{teacher}"
 
 
 def sequences(dataset_dir: Path, split: str, max_len: int) -> list[tuple[str, list[int], int]]:
@@ -64,13 +69,19 @@ def sequences(dataset_dir: Path, split: str, max_len: int) -> list[tuple[str, li
 @torch.inference_mode()
 def batched_forward(model, ids: torch.Tensor, spec: FeatureSpec) -> dict[str, torch.Tensor]:
     """The features of right-padded sequences ids [B, T], on the model's device, in
-    `spec.dtype`: labels [B, T], aux [B, T, A * hidden], k.L / v.L [B, KVH, T, d]. No attention
-    mask is needed: a causal row never sees the padding after it."""
+    `spec.dtype`: labels [B, T], aux [B, T, A * hidden], k.L / v.L [B, KVH, T, d], and with
+    `spec.teacher_topk` K teacher_ids / teacher_logits [B, T, K]. No attention mask is needed: a
+    causal row never sees the padding after it."""
     dtype = DTYPES[spec.dtype]
     out = model(ids.to(model.device), output_hidden_states=True, use_cache=True)
+    logits = out.logits.float()
     # hidden_states[L] is the input of layer L, which is what vLLM collects as aux layer L.
-    feats = {"labels": out.logits.float().argmax(-1).to(torch.int32),
+    feats = {"labels": logits.argmax(-1).to(torch.int32),
              "aux": torch.cat([out.hidden_states[i] for i in spec.aux_layers], -1).to(dtype)}
+    if spec.teacher_topk:
+        top = logits.topk(spec.teacher_topk, dim=-1)
+        feats["teacher_ids"] = top.indices.to(torch.int32)
+        feats["teacher_logits"] = top.values.to(dtype)
     cache = out.past_key_values
     for layer in spec.kv_layers:
         feats[f"k.{layer}"] = cache.layers[layer].keys.to(dtype)
@@ -95,7 +106,9 @@ def _claim(out: Path, target_dir: Path, dataset_dir: Path, split: str,
               "kv_layers": list(spec.kv_layers), **({"live": True} if live else {})}
     out.mkdir(parents=True, exist_ok=True)
     params_path = out / "params.json"
-    if params_path.exists() and json.loads(params_path.read_text()) != params:
+    # settings added to FeatureSpec since a directory was made take their defaults
+    defaults = {f.name: f.default for f in fields(FeatureSpec) if f.default is not MISSING}
+    if params_path.exists() and {**defaults, **json.loads(params_path.read_text())} != params:
         raise KVShotError(f"{out} holds features made from other data or settings; delete it "
                           f"to rebuild")
     params_path.write_text(json.dumps(params))
@@ -274,6 +287,10 @@ class FeatureSet(SplitFeatures):
         aux = torch.zeros(b, t, items[0]["aux"].shape[-1]) if uses_aux else None
         kvh, d = items[0][f"k.{kv_layers[0]}"].shape[1:] if kv_layers else (0, 0)
         kv = {layer: (torch.zeros(b, kvh, t, d), torch.zeros(b, kvh, t, d)) for layer in kv_layers}
+        teacher = None
+        if "teacher_ids" in items[0]:
+            topk = items[0]["teacher_ids"].shape[-1]
+            teacher = (torch.zeros(b, t, topk, dtype=torch.long), torch.zeros(b, t, topk))
         for r, it in enumerate(items):
             n = len(it["input_ids"])
             ids[r, :n] = it["input_ids"].long()
@@ -284,7 +301,10 @@ class FeatureSet(SplitFeatures):
             for layer, (k, v) in kv.items():
                 k[r, :, :n] = it[f"k.{layer}"].float().transpose(0, 1)
                 v[r, :, :n] = it[f"v.{layer}"].float().transpose(0, 1)
-        return TargetFeatures(ids, aux, kv), labels, trainable
+            if teacher is not None:
+                teacher[0][r, :n] = it["teacher_ids"].long()
+                teacher[1][r, :n] = it["teacher_logits"].float()
+        return TargetFeatures(ids, aux, kv, teacher), labels, trainable
 
 
 class LiveFeatures(SplitFeatures):
@@ -301,7 +321,7 @@ class LiveFeatures(SplitFeatures):
         super().__init__(path)
         p = self.params
         self.spec = FeatureSpec(**{name: tuple(p[name]) if name.endswith("_layers") else p[name]
-                                   for name in FeatureSpec.__dataclass_fields__})
+                                   for name in FeatureSpec.__dataclass_fields__ if name in p})
         self.seqs = seqs or sequences(Path(p["dataset"]), p["split"], self.spec.max_len)
         if [s[0] for s in self.seqs] != p["ids"]:
             raise KVShotError(f"{p['dataset']} no longer holds the {p['split']} sequences that "
@@ -367,4 +387,8 @@ class LiveFeatures(SplitFeatures):
         kv = {layer: (feats[f"k.{layer}"].float() * kv_valid,
                       feats[f"v.{layer}"].float() * kv_valid) for layer in kv_layers}
         labels = feats["labels"].long() * valid
-        return TargetFeatures(ids, aux, kv), labels, trainable
+        teacher = None
+        if "teacher_ids" in feats:
+            teacher = (feats["teacher_ids"].long() * valid[..., None],
+                       feats["teacher_logits"].float() * valid[..., None])
+        return TargetFeatures(ids, aux, kv, teacher), labels, trainable

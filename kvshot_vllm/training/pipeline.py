@@ -31,12 +31,13 @@ def sequence_limit(dataset: Path) -> int:
 
 
 def feature_spec(target_dir: Path, kv_layers: list[int] | None = None,
-                 max_len: int = MAX_LEN, forward_dtype: str = "float32") -> FeatureSpec:
+                 max_len: int = MAX_LEN, forward_dtype: str = "float32",
+                 teacher_topk: int = 0) -> FeatureSpec:
     n = target_spec(target_dir).num_layers
     probe = validated({"paradigm": "kv", "target": target_spec(target_dir)})
     return FeatureSpec(aux_layers=tuple(probe.aux_layers),
                        kv_layers=tuple(kv_layers or default_layers(n, 3)), max_len=max_len,
-                       forward_dtype=forward_dtype)
+                       forward_dtype=forward_dtype, teacher_topk=teacher_topk)
 
 
 def features_for(data_dir: Path, target_dir: Path, dataset: Path, split: str,
@@ -83,7 +84,8 @@ def train(data_dir: Path, target_dir: Path, dataset: Path, run_dir: Path, cfg: T
           device: str = "cpu", live_features: bool = False, **options) -> Path:
     dcfg = drafter_config(target_dir, cfg, init, **options)
     spec = feature_spec(target_dir, sorted(set(dcfg.kv_layers) | set(default_layers(
-        dcfg.target.num_layers, 3))), sequence_limit(dataset), forward_dtype=forward_dtype)
+        dcfg.target.num_layers, 3))), sequence_limit(dataset), forward_dtype=forward_dtype,
+        teacher_topk=cfg.soft_targets)
     features = features_for(data_dir, target_dir, dataset, "train", spec, device,
                             live=live_features)
     trainer = Trainer(run_dir, dcfg, cfg, target_dir, features, init=init, device=device)

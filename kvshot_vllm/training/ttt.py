@@ -107,6 +107,10 @@ class TrainConfig(BaseModel):
                                        "(`kvshot curve`)")
     log_every: int = Field(10, ge=1)
     seed: int = 0
+    soft_targets: int = Field(0, ge=0, le=256, description="0: cross-entropy against the "
+                              "target's greedy token; K: against the target's distribution over "
+                              "its K most likely tokens in the draft vocabulary (soft targets, as "
+                              "speculators trains), from features that hold them")
     multi_view: MultiView | None = Field(None, description="also train sparse views of the "
                                          "target's K/V (`MultiView`)")
     objective: Literal["ttt", "distill"] = Field(
@@ -196,11 +200,13 @@ def ttt_loss(drafter: Drafter, feats: TargetFeatures, labels: torch.Tensor,
     total, weights, accs, full = 0.0, 0.0, [], []
     for j, (logits, target, hit, mask) in enumerate(
             chain_predictions(drafter, feats, labels, trainable, cfg.ttt_steps, all_rows)):
-        draft_label = t2d[target]
-        keep = draft_label >= 0
-        if keep.any():
-            total = total + cfg.step_weight**j * F.cross_entropy(logits[keep].float(),
-                                                                 draft_label[keep])
+        if cfg.soft_targets:
+            teacher = (shifted(t, 1 + j)[:, -mask.shape[1]:][mask] for t in feats.teacher)
+            step_loss = soft_cross_entropy(logits, *teacher, t2d)
+        else:
+            step_loss = hard_cross_entropy(logits, target, t2d)
+        if step_loss is not None:
+            total = total + cfg.step_weight**j * step_loss
             weights += cfg.step_weight**j
         accs.append(hit[mask].float().mean().item() if mask.any() else float("nan"))
         full.append(logits)
@@ -210,6 +216,33 @@ def ttt_loss(drafter: Drafter, feats: TargetFeatures, labels: torch.Tensor,
     with drafter.viewing(view):
         sparse = chain_predictions(drafter, feats, labels, trainable, cfg.ttt_steps, all_rows)
     return loss + cfg.multi_view.weight * chain_kl(sparse, full, cfg), accs
+
+
+def hard_cross_entropy(logits: torch.Tensor, target: torch.Tensor, t2d: torch.Tensor
+                       ) -> torch.Tensor | None:
+    """Cross-entropy of draft logits [N, draft vocab] against the target's tokens [N] that are
+    in the draft vocabulary (None: none is)."""
+    draft_label = t2d[target]
+    keep = draft_label >= 0
+    return F.cross_entropy(logits[keep].float(), draft_label[keep]) if keep.any() else None
+
+
+def soft_cross_entropy(logits: torch.Tensor, teacher_ids: torch.Tensor,
+                       teacher_logits: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor | None:
+    """Cross-entropy of draft logits [N, draft vocab] against the target's distribution, known
+    over its top K tokens (teacher_ids, teacher_logits [N, K]) and renormalised over those in
+    the draft vocabulary; a row with none of them leaves the loss (None: every row does). The
+    draft vocabulary cannot hold the rest, so this is the KL divergence from the target's
+    distribution as the draft vocabulary sees it, up to the teacher's entropy."""
+    draft_ids = t2d[teacher_ids]
+    inside = draft_ids >= 0
+    keep = inside.any(-1)
+    if not keep.any():
+        return None
+    probs = torch.softmax(teacher_logits[keep].float().masked_fill(~inside[keep], float("-inf")),
+                          dim=-1)
+    log_q = torch.log_softmax(logits[keep].float(), -1).gather(-1, draft_ids[keep].clamp(min=0))
+    return -(probs * log_q).sum(-1).mean()
 
 
 def chain_kl(student: list, teacher: list[torch.Tensor], cfg: TrainConfig) -> torch.Tensor:
@@ -359,6 +392,10 @@ class Trainer:
         if cfg.multi_view and cfg.multi_view.draft_cache:  # a view the drafter can be served with
             validated({**drafter_cfg.model_dump(), "kv_budget": cfg.multi_view.draw(0, 0)},
                       "multi-view")
+        if cfg.soft_targets > features.params.get("teacher_topk", 0):
+            raise KVShotError(f"soft targets over the top {cfg.soft_targets} tokens need "
+                              f"features that hold them; {features.path} holds "
+                              f"{features.params.get('teacher_topk', 0)}")
         has_memory = drafter_cfg.kv_budget is not None and drafter_cfg.kv_budget.memory
         if cfg.train == "memory" and not has_memory:
             raise KVShotError("train 'memory': the drafter has no memory adaptor to train (give "
