@@ -76,6 +76,7 @@ SHIPPED_COMMIT_hidden-v1 = 265a147
 SHIPPED_COMMIT_hidden-v2 = 2888cf0
 SHIPPED_COMMIT_hidden-v4 = fd368c4
 SHIPPED_COMMIT_kv-v1 = b1825b5
+SHIPPED_COMMIT_kv-v2 = 6f34b91
 HIDDEN_V1 = $(KVSHOT_DATA_DIR)/drafters/hidden-v1
 HIDDEN_V2 = $(KVSHOT_DATA_DIR)/drafters/hidden-v2
 HIDDEN_V4 = $(KVSHOT_DATA_DIR)/drafters/hidden-v4
@@ -122,9 +123,10 @@ train-kv-v2: data-scale $(KV_V1)/manifest.json
 	$(call train_at_scale,kv-v2,--paradigm kv --init $(KV_V1))
 	$(VENV)/bin/kvshot curve $(KVSHOT_DATA_DIR)/runs/scale-kv-v2 --out results/curve-kv-v2
 
-# And its third pass, from the second's run (the shipped KV-only drafter; held-out MAT 1.730 in
-# results/kv-v2.md, still rising in results/curve-kv-v2.md): 11,520 training sequences, as many
-# as the shipped hidden-only drafter's. About an hour of training on 2 cores.
+# And its third pass, from the second's run (held-out MAT 1.730 in results/kv-v2.md, still
+# rising in results/curve-kv-v2.md): 11,520 training sequences, as many as the shipped
+# hidden-only drafter's; the shipped KV-only drafter (`kvshot ship DATA_DIR/runs/scale-kv-v3
+# --name kv`). About an hour of training on 2 cores.
 train-kv-v3: data-scale
 	test -f $(KVSHOT_DATA_DIR)/runs/scale-kv-v2/checkpoint/model.safetensors || \
 	  $(MAKE) train-kv-v2
