@@ -424,3 +424,8 @@ def test_soft_targets_of_a_sure_teacher_give_the_chains_hard_loss(paradigm: str)
                                hard)
     feats.teacher = (ids.roll(1, dims=1), logits)
     assert (ttt_loss(drafter, feats, labels, trainable, soft_cfg, t2d)[0] - hard).abs() > 0.1
+    # K of more: only the top K count (here the label alone, so sure even with a flat teacher)
+    feats.teacher = (ids, torch.zeros(*labels.shape, 4))
+    torch.testing.assert_close(
+        ttt_loss(drafter, feats, labels, trainable, TrainConfig(steps=1, soft_targets=1), t2d)[0],
+        hard)

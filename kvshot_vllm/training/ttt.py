@@ -201,7 +201,9 @@ def ttt_loss(drafter: Drafter, feats: TargetFeatures, labels: torch.Tensor,
     for j, (logits, target, hit, mask) in enumerate(
             chain_predictions(drafter, feats, labels, trainable, cfg.ttt_steps, all_rows)):
         if cfg.soft_targets:
-            teacher = (shifted(t, 1 + j)[:, -mask.shape[1]:][mask] for t in feats.teacher)
+            # the top K of features that may hold more (sorted, most likely first)
+            teacher = (shifted(t[..., :cfg.soft_targets], 1 + j)[:, -mask.shape[1]:][mask]
+                       for t in feats.teacher)
             step_loss = soft_cross_entropy(logits, *teacher, t2d)
         else:
             step_loss = hard_cross_entropy(logits, target, t2d)
