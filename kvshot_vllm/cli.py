@@ -97,15 +97,18 @@ def cmd_data_prepare(a: argparse.Namespace) -> None:
     data_dir, target = _target_arg(a)
     name = f"long-{a.long}-{target.name}" if a.long else f"sharegpt-{target.name}"
     out = Path(a.out) if a.out else data_dir / "datasets" / name
-    report = prepare_data(target, data_dir, out, args, workers=a.workers, source=a.sharegpt)
+    report = prepare_data(target, data_dir, out, args, workers=a.workers, source=a.sharegpt,
+                          reuse=Path(a.reuse) if a.reuse else None)
     print(f"data: {out} (train {report.counts['train']}, heldout {report.counts['heldout']})")
+    if report.reused_prompts:
+        print(f"reused {report.reused_prompts} replies from {a.reuse}")
     if report.generated_prompts:
         print(
             f"regenerated {report.generated_prompts} prompts, {report.generated_tokens} tokens in "
             f"{report.generation_s:.1f}s: {report.prompts_per_min:.1f} prompts/min, "
             f"{report.tokens_per_s:.1f} tokens/s"
         )
-    else:
+    elif not report.reused_prompts:
         print("nothing to regenerate: every prompt already has its response")
 
 
@@ -415,6 +418,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", choices=["vllm", "transformers"], default="vllm",
                    help="what regenerates: vLLM (default), or transformers' greedy generate "
                    "on a GPU machine without vLLM (scripts/gpu_train.sh)")
+    p.add_argument("--reuse", metavar="DIR",
+                   help="a finished data set made with the same reply settings: a prompt it "
+                   "answered, token for token, takes its reply instead of being regenerated "
+                   "(to grow a data set)")
     p.set_defaults(func=cmd_data_prepare)
 
     drafter = _group(sub, "drafter", "drafter checkpoints")

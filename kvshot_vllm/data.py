@@ -22,6 +22,10 @@ Resumability: the selection is a deterministic function of the arguments and of 
 already answered; prompts are generated in fixed chunks and each chunk is appended and fsynced in
 one write. A rerun keeps every complete chunk, drops a torn one, and continues, so the final file
 equals an uninterrupted run's.
+
+Growing a data set (`--reuse DIR`): a larger set's selection starts with a smaller one's
+conversations, so a prompt whose tokens a finished set already answered under the same
+generation settings takes that record instead of being regenerated.
 """
 
 from __future__ import annotations
@@ -554,6 +558,7 @@ class _RayPool:
 class PrepareReport:
     out_dir: Path
     counts: dict[str, int] = field(default_factory=dict)
+    reused_prompts: int = 0
     generated_prompts: int = 0
     generated_tokens: int = 0
     generation_s: float = 0.0
@@ -580,12 +585,14 @@ def differences(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> l
 
 
 def _refuse_other_settings(out_dir: Path, what: str, started: dict[str, Any],
-                           now: dict[str, Any]) -> None:
+                           now: dict[str, Any],
+                           remedy: str = "a resumed data set must come from one setting; "
+                                         "choose another --out or delete it") -> None:
     diff = differences(started, now)
     if diff:
         raise KVShotError(
             f"{out_dir} was started with other {what} than this run's ({'; '.join(diff)}): "
-            f"a resumed data set must come from one setting; choose another --out or delete it"
+            f"{remedy}"
         )
 
 
@@ -596,6 +603,33 @@ def comparable(settings: dict[str, Any]) -> dict[str, Any]:
     return {**settings, "cpu": {"isa": cpu.get("isa")} if cpu else None}
 
 
+# The parameters that decide a reply to given prompt tokens (the rest decide which prompts),
+# and a record's fields that hold the reply.
+REPLY_PARAMS = ("target", "dtype", "enforce_eager", "engine", "temperature", "seed",
+                "max_new_tokens")
+REPLY_FIELDS = ("response_token_ids", "response_text", "finish_reason")
+
+
+def _answered(record: dict[str, Any] | None, prompt: Selected) -> bool:
+    return record is not None and record["prompt_token_ids"] == prompt.prompt_token_ids
+
+
+def reusable_records(reuse_dir: Path, params: dict[str, Any]
+                     ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """Record id -> record of a finished data set made with the reply settings of `params`,
+    and the engine settings that made it."""
+    manifest_path = reuse_dir / "manifest.json"
+    if not manifest_path.is_file():
+        raise KVShotError(f"--reuse {reuse_dir}: no finished data set there (no manifest.json)")
+    manifest = json.loads(manifest_path.read_text())
+    _refuse_other_settings(reuse_dir, "reply settings", {k: manifest["params"].get(k)
+                                                         for k in REPLY_PARAMS},
+                           {k: params.get(k) for k in REPLY_PARAMS},
+                           remedy="its replies are not this run's to reuse")
+    records = {r["id"]: r for s in SPLITS for r in read_records(reuse_dir / f"{s}.jsonl")}
+    return records, manifest["engine"]
+
+
 def prepare_data(
     target_dir: Path,
     data_dir: Path,
@@ -603,6 +637,7 @@ def prepare_data(
     args: PrepareArgs,
     workers: int = 1,
     source: Path | None = None,
+    reuse: Path | None = None,
 ) -> PrepareReport:
     """Regenerate the target's replies turn by turn: every conversation's turn 1, then every
     turn 2 whose prompt holds the target's reply to turn 1, and so on. The files hold the turns
@@ -630,6 +665,17 @@ def prepare_data(
     if params_path.exists():
         _refuse_other_settings(out_dir, "settings", json.loads(params_path.read_text()), params)
     started = json.loads(engine_path.read_text()) if engine_path.exists() else None
+    reusable: dict[str, dict[str, Any]] = {}
+    if reuse is not None:
+        reusable, reused_engine = reusable_records(Path(reuse), params)
+        # The reused replies came from that engine, so this set's engine is held to it.
+        if started:
+            _refuse_other_settings(Path(reuse), "engine settings", comparable(reused_engine),
+                                   comparable(started),
+                                   remedy="its replies are not this run's to reuse")
+        else:
+            started = reused_engine
+            engine_path.write_text(json.dumps(started, indent=2))
     if started and started.get("cpu"):  # before the engine starts: the CPU is known now
         _refuse_other_settings(out_dir, "CPU kernels", comparable(started)["cpu"],
                                {"isa": cpu_info()["isa"]})
@@ -681,7 +727,8 @@ def prepare_data(
             todo += [(path, c) for c in plan[done:]]
         if not todo:
             continue
-        if engine is None:
+        missing = [[s for s in c if not _answered(reusable.get(s.id), s)] for _, c in todo]
+        if engine is None and any(missing):
             if args.engine == "transformers":
                 engine = TransformersRegenerator(str(target_dir), args)
             else:
@@ -697,21 +744,26 @@ def prepare_data(
             start = time.perf_counter()
         bar.total = (bar.total or 0) + sum(len(c) for _, c in todo)
         bar.set_description(f"regenerating responses, turn {turn}")
-        for (path, chunk), outs in zip(todo, engine.map([[s.prompt_token_ids for s in c]
-                                                         for _, c in todo])):
+        fresh = engine.map([[s.prompt_token_ids for s in m] for m in missing if m]) \
+            if any(missing) else iter(())
+        for (path, chunk), new in zip(todo, missing):
+            replies = dict(zip((s.id for s in new), next(fresh) if new else []))
             records = [
                 {"id": s.id, "conversation": s.conversation, "turn": s.turn, "split": s.split,
-                 "messages": s.messages, "prompt_token_ids": s.prompt_token_ids, **o}
-                for s, o in zip(chunk, outs)
+                 "messages": s.messages, "prompt_token_ids": s.prompt_token_ids,
+                 **(replies[s.id] if s.id in replies else
+                    {k: reusable[s.id][k] for k in REPLY_FIELDS})}
+                for s in chunk
             ]
             _append_chunk(path, records)
             kept[chunk[0].split] += records
             on_disk[chunk[0].split] += records
-            report.generated_prompts += len(chunk)
-            report.generated_tokens += sum(len(o["response_token_ids"]) for o in outs)
+            report.reused_prompts += len(chunk) - len(new)
+            report.generated_prompts += len(new)
+            report.generated_tokens += sum(len(o["response_token_ids"]) for o in replies.values())
             report.generation_s = time.perf_counter() - start
             bar.update(len(chunk))
-            bar.set_postfix(tok_s=f"{report.tokens_per_s:.0f}")
+            bar.set_postfix(tok_s=f"{report.tokens_per_s:.0f}", reused=report.reused_prompts)
     bar.close()
     for split in SPLITS:  # and so does anything past the plan, torn or not
         _keep_only(out_dir / f"{split}.jsonl", kept[split])
@@ -726,6 +778,8 @@ def prepare_data(
                    "turns_read": stats.turns, "file_truncated": stats.truncated},
         "splits": {},
         "last_run": {"workers": workers, "cpu": cpu_info(),
+                     "reused_from": str(reuse) if reuse is not None else None,
+                     "reused_prompts": report.reused_prompts,
                      "generated_prompts": report.generated_prompts,
                      "generated_tokens": report.generated_tokens,
                      "generation_s": round(report.generation_s, 3),

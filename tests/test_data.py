@@ -158,6 +158,23 @@ def test_resume_after_kill_gives_the_same_file(target_bf16: Path, data_dir: Path
     assert "nothing to regenerate" in proc.stdout, proc.stdout
     assert {s: (reference / f"{s}.jsonl").read_text() for s in finished} == finished
 
+    # A larger set grown from it takes every reply it answered and regenerates only the rest.
+    grown = tmp_path / "grown"
+    proc = run_kvshot("data", "prepare", *common, "--num-prompts", "8", "--out", str(grown),
+                      "--reuse", str(reference))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    before = {r["id"]: r for s in finished for r in read_records(reference / f"{s}.jsonl")}
+    after = {r["id"]: r for s in finished for r in read_records(grown / f"{s}.jsonl")}
+    assert before.keys() < after.keys()
+    assert all(after[i] == r for i, r in before.items())
+    last_run = json.loads((grown / "manifest.json").read_text())["last_run"]
+    assert last_run["reused_prompts"] == len(before), last_run
+    assert last_run["generated_prompts"] == len(after) - len(before), last_run
+    assert f"reused {len(before)} replies" in proc.stdout, proc.stdout
+    assert_one_line_error(run_kvshot("data", "prepare", *common, "--max-new-tokens", "13",
+                                     "--out", str(tmp_path / "other"), "--reuse", str(reference)),
+                          "max_new_tokens: 12 -> 13")
+
     resumed = tmp_path / "resumed"
     victim = subprocess.Popen([*KVSHOT, "data", "prepare", *common, "--out", str(resumed)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
