@@ -78,6 +78,32 @@ def test_features_equal_what_the_target_caches(target_fp32, dataset, tmp_path) -
     torch.testing.assert_close(item["teacher_logits"], top.values)
 
 
+def test_batched_extraction_equals_one_sequence_at_a_time(target_fp32, dataset) -> None:
+    """`forward_sequences` in padded batches gives each sequence its own features, in its own
+    order and length, as one forward per sequence does (fp32: up to matmul blocking)."""
+    from kvshot_vllm.training.features import forward_sequences, load_target, sequences
+
+    spec = FeatureSpec(aux_layers=(2, 15, 27), kv_layers=(0, 29), dtype="float32")
+    seqs = [ids for _, ids, _ in sequences(dataset, "train", spec.max_len)]
+    seqs = [seqs[0][:70], *seqs[1:]]  # lengths that differ: padding within a batch
+    model = load_target(target_fp32, spec, "cpu")
+    alone = forward_sequences(model, seqs, spec)
+    lengths = sorted(map(len, seqs))
+    assert 2 * lengths[1] <= 256 < len(seqs) * lengths[-1]  # batches of several, and several
+    batched = forward_sequences(model, seqs, spec, batch_tokens=256)
+    assert len(batched) == len(seqs)
+    labels_equal = total = 0
+    for ids, a, b in zip(seqs, alone, batched):
+        assert a.keys() == b.keys() and a["aux"].shape == b["aux"].shape == (len(ids), 3 * 576)
+        assert b["k.29"].shape == (len(ids), 3, 64)
+        for name in a:
+            if name != "labels":
+                torch.testing.assert_close(b[name], a[name], rtol=1e-3, atol=1e-3)
+        labels_equal += int((a["labels"] == b["labels"]).sum())
+        total += len(ids)
+    assert labels_equal / total > 0.99
+
+
 def test_live_features_equal_cached_ones(target_fp32, dataset, train_features,
                                         tmp_path) -> None:
     """Features computed as batches ask (`--features live`, a GPU's default) are the cached

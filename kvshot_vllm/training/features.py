@@ -91,9 +91,35 @@ def batched_forward(model, ids: torch.Tensor, spec: FeatureSpec) -> dict[str, to
 
 def target_forward(model, ids: list[int], spec: FeatureSpec) -> dict[str, torch.Tensor]:
     """One sequence's features (see the module docstring), in `spec.dtype`, on the CPU."""
-    feats = batched_forward(model, torch.tensor([ids]), spec)
-    return {name: (t[0].transpose(0, 1) if name[:2] in ("k.", "v.") else t[0]).contiguous().cpu()
-            for name, t in feats.items()}
+    return forward_sequences(model, [ids], spec)[0]
+
+
+def forward_sequences(model, seqs: list[list[int]], spec: FeatureSpec,
+                      batch_tokens: int = 1) -> list[dict[str, torch.Tensor]]:
+    """The features of each sequence (`target_forward`), from padded forwards of up to
+    `batch_tokens` tokens (padding included) over sequences of similar lengths: on 2 CPU cores
+    a batch of a few sequences runs several times the tokens/s of one at a time
+    (bench/results/feature_speed.md)."""
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    out: list[dict[str, torch.Tensor]] = [{} for _ in seqs]
+    start = 0
+    while start < len(order):
+        # the longest sequence of a batch is its last: grow it while the padded batch fits
+        end = start + 1
+        while end < len(order) and (end + 1 - start) * len(seqs[order[end]]) <= batch_tokens:
+            end += 1
+        group = order[start:end]
+        width = len(seqs[group[-1]])
+        ids = torch.zeros(len(group), width, dtype=torch.long)
+        for r, i in enumerate(group):
+            ids[r, :len(seqs[i])] = torch.tensor(seqs[i])
+        feats = batched_forward(model, ids, spec)
+        for r, i in enumerate(group):
+            n = len(seqs[i])
+            out[i] = {name: (t[r, :, :n].transpose(0, 1) if name[:2] in ("k.", "v.")
+                             else t[r, :n]).contiguous().cpu() for name, t in feats.items()}
+        start = end
+    return out
 
 
 def _claim(out: Path, target_dir: Path, dataset_dir: Path, split: str,
@@ -122,9 +148,10 @@ def load_target(target_dir: Path, spec: FeatureSpec, device: str):
 
 
 def extract_features(target_dir: Path, dataset_dir: Path, split: str, out_root: Path,
-                     spec: FeatureSpec, device: str = "cpu") -> Path:
+                     spec: FeatureSpec, device: str = "cpu", batch_tokens: int = 1) -> Path:
     """Features of every sequence of `split`, under `out_root/spec.dir_name(split)`, with the
-    target's forward on `device`."""
+    target's forward on `device`, in padded batches of up to `batch_tokens` tokens
+    (`forward_sequences`)."""
     from safetensors.torch import save_file
     from tqdm import tqdm
 
@@ -142,7 +169,8 @@ def extract_features(target_dir: Path, dataset_dir: Path, split: str, out_root: 
         for i in todo:
             if model is None:
                 model = load_target(target_dir, spec, device)
-            parts = [target_forward(model, ids, spec) for _, ids, _ in shards[i]]
+            parts = forward_sequences(model, [ids for _, ids, _ in shards[i]], spec,
+                                      batch_tokens)
             tensors = {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
             lengths = torch.tensor([len(ids) for _, ids, _ in shards[i]])
             tensors["input_ids"] = torch.tensor([t for _, ids, _ in shards[i] for t in ids],
