@@ -98,8 +98,7 @@ def forward_sequences(model, seqs: list[list[int]], spec: FeatureSpec,
                       batch_tokens: int = 1) -> list[dict[str, torch.Tensor]]:
     """The features of each sequence (`target_forward`), from padded forwards of up to
     `batch_tokens` tokens (padding included) over sequences of similar lengths: on 2 CPU cores
-    a batch of a few sequences runs several times the tokens/s of one at a time
-    (bench/results/feature_speed.md)."""
+    a batch of a few runs somewhat faster than one at a time (`EXTRACT_BATCH_TOKENS`)."""
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
     out: list[dict[str, torch.Tensor]] = [{} for _ in seqs]
     start = 0
@@ -147,8 +146,15 @@ def load_target(target_dir: Path, spec: FeatureSpec, device: str):
     return model.to(device).eval()
 
 
+# Padded tokens per extraction forward: 1.16x the tokens/s of one sequence at a time on 2 Intel
+# AMX cores, 1.13x at 4096, 1.01x at 8192 (bench/results/feature_speed.md); in bf16 1% of the
+# greedy labels then differ from one-at-a-time's, a near-tie either way.
+EXTRACT_BATCH_TOKENS = 2048
+
+
 def extract_features(target_dir: Path, dataset_dir: Path, split: str, out_root: Path,
-                     spec: FeatureSpec, device: str = "cpu", batch_tokens: int = 1) -> Path:
+                     spec: FeatureSpec, device: str = "cpu",
+                     batch_tokens: int = EXTRACT_BATCH_TOKENS) -> Path:
     """Features of every sequence of `split`, under `out_root/spec.dir_name(split)`, with the
     target's forward on `device`, in padded batches of up to `batch_tokens` tokens
     (`forward_sequences`)."""
