@@ -6,7 +6,7 @@ export KVSHOT_DATA_DIR ?= $(CURDIR)/data
 
 .PHONY: setup demo test test-slow clean-data data-scale data-scale-8k train-scale data-long \
 	memory-study train-block-scale train-kv-scale train-hybrid-scale train-hidden-v3 \
-	train-hidden-v4 train-hidden-v5 train-kv-v2 train-kv-v3 soft-targets-study study-scale retrieval-study own-view-study \
+	train-hidden-v4 train-hidden-v5 train-kv-v2 train-kv-v3 train-kv-v4 soft-targets-study study-scale retrieval-study own-view-study \
 	memory-serving-study multiview-study
 
 setup: $(VENV)/.setup-done
@@ -193,6 +193,20 @@ train-hidden-v5: data-scale-8k $(HIDDEN_V4)/manifest.json
 	  hidden-v5=$(KVSHOT_DATA_DIR)/runs/scale8k-hidden-v5/checkpoint --target $(SCALE_TARGET) \
 	  --dataset $(SCALE8K_DATA) --forward-dtype bfloat16 --out results/hidden-v5
 	$(VENV)/bin/kvshot curve $(KVSHOT_DATA_DIR)/runs/scale8k-hidden-v5 --out results/curve-hidden-v5
+
+# And the KV-only drafter's fourth pass, the same way from its shipped third version's run
+# (runs/scale-kv-v3, `make train-kv-v3`), over the same features.
+train-kv-v4: data-scale-8k
+	test -f $(KVSHOT_DATA_DIR)/runs/scale-kv-v3/checkpoint/model.safetensors || \
+	  $(MAKE) train-kv-v3
+	nice -n 10 $(VENV)/bin/kvshot train --paradigm kv \
+	  --init $(KVSHOT_DATA_DIR)/runs/scale-kv-v3/checkpoint --preset full --steps $(STEPS8K) \
+	  --target $(SCALE_TARGET) --dataset $(SCALE8K_DATA) --forward-dtype bfloat16 \
+	  --snapshot-every 160 --out $(KVSHOT_DATA_DIR)/runs/scale8k-kv-v4
+	$(VENV)/bin/kvshot diagnose kv-v3=$(KVSHOT_DATA_DIR)/runs/scale-kv-v3/checkpoint \
+	  kv-v4=$(KVSHOT_DATA_DIR)/runs/scale8k-kv-v4/checkpoint --target $(SCALE_TARGET) \
+	  --dataset $(SCALE8K_DATA) --forward-dtype bfloat16 --out results/kv-v4
+	$(VENV)/bin/kvshot curve $(KVSHOT_DATA_DIR)/runs/scale8k-kv-v4 --out results/curve-kv-v4
 
 # The long-context workload (issue 15): one held-out data set per prefix bucket, standard-library
 # modules to continue and ShareGPT histories, 128 regenerated tokens each (7K has 3 held-out
