@@ -108,6 +108,32 @@ def test_batched_extraction_equals_one_sequence_at_a_time(target_fp32, dataset) 
     assert labels_equal / total > 0.99
 
 
+def test_extraction_links_the_shards_another_data_set_holds(target_fp32, dataset,
+                                                             tmp_path) -> None:
+    """A grown data set's extraction links every shard whose sequences another finished
+    extraction of the same settings holds, token for token, and computes the rest."""
+    import os
+
+    spec = FeatureSpec(aux_layers=(2,), kv_layers=(0,), dtype="float32", shard_size=2)
+    root = tmp_path / "features"
+    small = FeatureSet(extract_features(target_fp32, dataset, "train", root / "small", spec))
+    grown = tmp_path / "grown"
+    grown.mkdir()
+    records = [json.loads(line) for line in (dataset / "train.jsonl").open()]
+    records[4]["response_token_ids"][0] += 1  # same id, other tokens: not the same shard
+    (grown / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = extract_features(target_fp32, grown, "train", root / "grown", spec)
+    same = [os.path.samefile(out / f"shard-{i:05d}.safetensors",
+                             small.path / f"shard-{i:05d}.safetensors") for i in range(3)]
+    assert same == [True, True, False]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["last_run"]["linked_sequences"] == 4
+    assert manifest["last_run"]["extracted_tokens"] == sum(
+        len(r["prompt_token_ids"]) + len(r["response_token_ids"]) for r in records[4:])
+    assert FeatureSet(out).item(4)["input_ids"][len(records[4]["prompt_token_ids"])] == \
+        records[4]["response_token_ids"][0]
+
+
 def test_live_features_equal_cached_ones(target_fp32, dataset, train_features,
                                         tmp_path) -> None:
     """Features computed as batches ask (`--features live`, a GPU's default) are the cached

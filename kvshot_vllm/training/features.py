@@ -9,13 +9,17 @@ gives:
     teacher_ids, teacher_logits  [T, K]  with `teacher_topk` K: the target's K most likely next
                                  tokens and their logits, the soft targets of training
 Shards of `shard_size` sequences are safetensors files written beside and renamed into place, so
-a killed extraction resumes at the first missing shard. `manifest.json` records the target,
+a killed extraction resumes at the first missing shard. A shard that the same extraction of
+another data set already holds, the same token ids in the same order (a grown data set starts
+with the smaller one's records, `data.py`), is linked from there instead of recomputed. `manifest.json` records the target,
 the layers, the dtype and the measured throughput of extraction and of loading back.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import MISSING, dataclass, fields
@@ -168,6 +172,20 @@ def extract_features(target_dir: Path, dataset_dir: Path, split: str, out_root: 
 
     shards = [seqs[i:i + spec.shard_size] for i in range(0, len(seqs), spec.shard_size)]
     todo = [i for i in range(len(shards)) if not (out / f"shard-{i:05d}.safetensors").exists()]
+    donors = finished_shards(Path(out_root).parent, out, target_dir)
+    linked = 0
+    for i in list(todo):
+        donor = donors.get(shard_key(shards[i]))
+        if donor is not None:
+            tmp = out / f"shard-{i:05d}.partial"
+            tmp.unlink(missing_ok=True)
+            try:
+                os.link(donor, tmp)
+            except OSError:  # another file system
+                shutil.copyfile(donor, tmp)
+            tmp.rename(out / f"shard-{i:05d}.safetensors")
+            todo.remove(i)
+            linked += len(shards[i])
     model = None
     tokens, start = 0, time.perf_counter()
     with tqdm(total=sum(len(shards[i]) for i in todo), desc=f"features {split}",
@@ -196,12 +214,41 @@ def extract_features(target_dir: Path, dataset_dir: Path, split: str, out_root: 
     load_s = time.perf_counter() - load_start
     manifest = {"sequences": len(feature_set), "tokens": feature_set.num_tokens,
                 "shards": len(shards), "bytes": sum(f.stat().st_size for f in out.glob("shard-*")),
-                "last_run": {"extracted_tokens": tokens, "extract_s": round(extract_s, 2),
+                "last_run": {"linked_sequences": linked,
+                             "extracted_tokens": tokens, "extract_s": round(extract_s, 2),
                              "extract_tok_s": round(tokens / extract_s, 1) if tokens else None,
                              "load_s": round(load_s, 3),
                              "load_tok_s": round(feature_set.num_tokens / load_s, 1)}}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
     return out
+
+
+def shard_key(shard: list[tuple[str, list[int], int]]) -> tuple:
+    """What decides a shard's features besides the extraction settings: its sequences' token
+    ids and prompt lengths, in order."""
+    return tuple((tuple(ids), prompt) for _, ids, prompt in shard)
+
+
+def finished_shards(features_root: Path, out: Path, target_dir: Path) -> dict[tuple, Path]:
+    """`shard_key` -> shard file of every finished feature set under `features_root` (one
+    directory per data set) made like `out` (the same directory name: the same layers, length,
+    dtypes) from the same target, `out` itself excepted."""
+    from safetensors import safe_open
+
+    found: dict[tuple, Path] = {}
+    target = str(Path(target_dir).resolve())
+    for other in features_root.glob(f"*/{out.name}"):
+        if other.resolve() == out.resolve() or not (other / "manifest.json").is_file():
+            continue
+        if json.loads((other / "params.json").read_text()).get("target") != target:
+            continue
+        for path in sorted(other.glob("shard-*.safetensors")):
+            with safe_open(str(path), framework="pt") as f:
+                ids, offsets, prompt = (f.get_tensor(n).tolist()
+                                        for n in ("input_ids", "offsets", "prompt_len"))
+            found[tuple((tuple(ids[a:b]), p)
+                        for a, b, p in zip(offsets, offsets[1:], prompt))] = path
+    return found
 
 
 class _Shard:
