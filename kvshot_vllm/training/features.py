@@ -11,12 +11,14 @@ gives:
 Shards of `shard_size` sequences are safetensors files written beside and renamed into place, so
 a killed extraction resumes at the first missing shard. A shard that the same extraction of
 another data set already holds, the same token ids in the same order (a grown data set starts
-with the smaller one's records, `data.py`), is linked from there instead of recomputed. `manifest.json` records the target,
-the layers, the dtype and the measured throughput of extraction and of loading back.
+with the smaller one's records, `data.py`), is linked from there instead of recomputed.
+`manifest.json` records the target, the layers, the dtype and the measured throughput of
+extraction and of loading back.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -172,20 +174,20 @@ def extract_features(target_dir: Path, dataset_dir: Path, split: str, out_root: 
 
     shards = [seqs[i:i + spec.shard_size] for i in range(0, len(seqs), spec.shard_size)]
     todo = [i for i in range(len(shards)) if not (out / f"shard-{i:05d}.safetensors").exists()]
-    donors = finished_shards(Path(out_root).parent, out, target_dir)
-    linked = 0
-    for i in list(todo):
-        donor = donors.get(shard_key(shards[i]))
-        if donor is not None:
-            tmp = out / f"shard-{i:05d}.partial"
-            tmp.unlink(missing_ok=True)
-            try:
-                os.link(donor, tmp)
-            except OSError:  # another file system
-                shutil.copyfile(donor, tmp)
-            tmp.rename(out / f"shard-{i:05d}.safetensors")
-            todo.remove(i)
-            linked += len(shards[i])
+    donors = finished_shards(Path(out_root).parent, out, target_dir) if todo else {}
+    found = {i: donors[key] for i in todo
+             if (key := shard_key([ids for _, ids, _ in shards[i]],
+                                  [p for _, _, p in shards[i]])) in donors}
+    for i, donor in found.items():
+        tmp = out / f"shard-{i:05d}.partial"
+        tmp.unlink(missing_ok=True)
+        try:
+            os.link(donor, tmp)
+        except OSError:  # another file system
+            shutil.copyfile(donor, tmp)
+        tmp.rename(out / f"shard-{i:05d}.safetensors")
+    todo = [i for i in todo if i not in found]
+    linked = sum(len(shards[i]) for i in found)
     model = None
     tokens, start = 0, time.perf_counter()
     with tqdm(total=sum(len(shards[i]) for i in todo), desc=f"features {split}",
@@ -223,19 +225,22 @@ def extract_features(target_dir: Path, dataset_dir: Path, split: str, out_root: 
     return out
 
 
-def shard_key(shard: list[tuple[str, list[int], int]]) -> tuple:
+def shard_key(seqs: list[list[int]], prompt_lens: list[int]) -> str:
     """What decides a shard's features besides the extraction settings: its sequences' token
-    ids and prompt lengths, in order."""
-    return tuple((tuple(ids), prompt) for _, ids, prompt in shard)
+    ids and prompt lengths, in order (a digest)."""
+    digest = hashlib.sha256()
+    for ids, prompt in zip(seqs, prompt_lens):
+        digest.update(torch.tensor([prompt, len(ids), *ids], dtype=torch.int32).numpy().tobytes())
+    return digest.hexdigest()
 
 
-def finished_shards(features_root: Path, out: Path, target_dir: Path) -> dict[tuple, Path]:
+def finished_shards(features_root: Path, out: Path, target_dir: Path) -> dict[str, Path]:
     """`shard_key` -> shard file of every finished feature set under `features_root` (one
     directory per data set) made like `out` (the same directory name: the same layers, length,
     dtypes) from the same target, `out` itself excepted."""
     from safetensors import safe_open
 
-    found: dict[tuple, Path] = {}
+    found: dict[str, Path] = {}
     target = str(Path(target_dir).resolve())
     for other in features_root.glob(f"*/{out.name}"):
         if other.resolve() == out.resolve() or not (other / "manifest.json").is_file():
@@ -244,10 +249,9 @@ def finished_shards(features_root: Path, out: Path, target_dir: Path) -> dict[tu
             continue
         for path in sorted(other.glob("shard-*.safetensors")):
             with safe_open(str(path), framework="pt") as f:
-                ids, offsets, prompt = (f.get_tensor(n).tolist()
-                                        for n in ("input_ids", "offsets", "prompt_len"))
-            found[tuple((tuple(ids[a:b]), p)
-                        for a, b, p in zip(offsets, offsets[1:], prompt))] = path
+                ids, offsets, prompts = (f.get_tensor(n).tolist()
+                                         for n in ("input_ids", "offsets", "prompt_len"))
+            found[shard_key([ids[a:b] for a, b in zip(offsets, offsets[1:])], prompts)] = path
     return found
 
 
