@@ -100,6 +100,14 @@ def target_forward(model, ids: list[int], spec: FeatureSpec) -> dict[str, torch.
     return forward_sequences(model, [ids], spec)[0]
 
 
+def right_padded(seqs: list[list[int]]) -> torch.Tensor:
+    """ids [B, longest] of the sequences, zeros after each one's end."""
+    ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
+    for r, seq in enumerate(seqs):
+        ids[r, :len(seq)] = torch.tensor(seq)
+    return ids
+
+
 def forward_sequences(model, seqs: list[list[int]], spec: FeatureSpec,
                       batch_tokens: int = 1) -> list[dict[str, torch.Tensor]]:
     """The features of each sequence (`target_forward`), from padded forwards of up to
@@ -114,11 +122,7 @@ def forward_sequences(model, seqs: list[list[int]], spec: FeatureSpec,
         while end < len(order) and (end + 1 - start) * len(seqs[order[end]]) <= batch_tokens:
             end += 1
         group = order[start:end]
-        width = len(seqs[group[-1]])
-        ids = torch.zeros(len(group), width, dtype=torch.long)
-        for r, i in enumerate(group):
-            ids[r, :len(seqs[i])] = torch.tensor(seqs[i])
-        feats = batched_forward(model, ids, spec)
+        feats = batched_forward(model, right_padded([seqs[i] for i in group]), spec)
         for r, i in enumerate(group):
             n = len(seqs[i])
             out[i] = {name: (t[r, :, :n].transpose(0, 1) if name[:2] in ("k.", "v.")
@@ -443,9 +447,7 @@ class LiveFeatures(SplitFeatures):
     def _padded(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids, valid) [B, T] of the right-padded sequences, ids on the CPU."""
         lengths = torch.tensor([self.length(i) for i in indices])
-        ids = torch.zeros(len(indices), int(lengths.max()), dtype=torch.long)
-        for r, i in enumerate(indices):
-            ids[r, :self.length(i)] = torch.tensor(self.seqs[i][1])
+        ids = right_padded([self.seqs[i][1] for i in indices])
         return ids, torch.arange(ids.shape[1]) < lengths[:, None]
 
     def response_labels(self) -> Iterator[torch.Tensor]:
