@@ -183,8 +183,12 @@ data-scale-8k: data-scale
 # (restored from git), whose three passes over data-scale's set had returned less each time
 # (results/curve-hidden-v4.md). First the features of the 8k set (tens of GB under DATA_DIR),
 # then the training, both resumable: rerun the same command. Diagnosed beside the fourth on
-# the held-out split (the same 100 conversations as data-scale's, and the same replies).
+# the held-out split (the same 100 conversations as data-scale's, and the same replies), then
+# served beside it through vLLM (SERVED_VERSIONS: c = 1, k = 3, 16 held-out prompts of up to
+# 128 tokens; about 10 minutes): ship the new version only if it accepts more there.
 STEPS8K = 1690
+SERVED_VERSIONS = $(VENV)/bin/kvshot bench --k 3 --levels 1 --requests 16 \
+  --max-output-tokens 128 --target $(SCALE_TARGET) --dataset $(SCALE8K_DATA)
 train-hidden-v5: data-scale-8k $(HIDDEN_V4)/manifest.json
 	nice -n 10 $(VENV)/bin/kvshot train --paradigm hidden --init $(HIDDEN_V4) --preset full \
 	  --steps $(STEPS8K) --target $(SCALE_TARGET) --dataset $(SCALE8K_DATA) \
@@ -193,6 +197,9 @@ train-hidden-v5: data-scale-8k $(HIDDEN_V4)/manifest.json
 	  hidden-v5=$(KVSHOT_DATA_DIR)/runs/scale8k-hidden-v5/checkpoint --target $(SCALE_TARGET) \
 	  --dataset $(SCALE8K_DATA) --forward-dtype bfloat16 --out results/hidden-v5
 	$(VENV)/bin/kvshot curve $(KVSHOT_DATA_DIR)/runs/scale8k-hidden-v5 --out results/curve-hidden-v5
+	$(SERVED_VERSIONS) --configs none ngram hidden hidden-v5 \
+	  --model hidden-v5=$(KVSHOT_DATA_DIR)/runs/scale8k-hidden-v5/checkpoint \
+	  --out bench/results/hidden-v5
 
 # And the KV-only drafter's fourth pass, the same way from its shipped third version's run
 # (runs/scale-kv-v3, `make train-kv-v3`), over the same features.
@@ -207,6 +214,8 @@ train-kv-v4: data-scale-8k
 	  kv-v4=$(KVSHOT_DATA_DIR)/runs/scale8k-kv-v4/checkpoint --target $(SCALE_TARGET) \
 	  --dataset $(SCALE8K_DATA) --forward-dtype bfloat16 --out results/kv-v4
 	$(VENV)/bin/kvshot curve $(KVSHOT_DATA_DIR)/runs/scale8k-kv-v4 --out results/curve-kv-v4
+	$(SERVED_VERSIONS) --configs none ngram hidden kv kv-v4 \
+	  --model kv-v4=$(KVSHOT_DATA_DIR)/runs/scale8k-kv-v4/checkpoint --out bench/results/kv-v4
 
 # The long-context workload (issue 15): one held-out data set per prefix bucket, standard-library
 # modules to continue and ShareGPT histories, 128 regenerated tokens each (7K has 3 held-out

@@ -610,7 +610,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--configs-dir", default="serving_configs")
     p.add_argument("--sweep", help="a JSON file of name -> speculative config")
     p.add_argument("--model", action="append", metavar="NAME=CHECKPOINT",
-                   help="serve this drafter checkpoint for configuration NAME")
+                   help="serve this drafter checkpoint for configuration NAME (a new NAME: "
+                   "the serving config of the checkpoint's paradigm)")
     p.add_argument("--k", type=int, default=3, help="num_speculative_tokens for every config")
     p.add_argument("--levels", type=int, nargs="+", help="concurrency levels "
                    "(default 1 2 4 8 16 32; --quick: 1 4)")

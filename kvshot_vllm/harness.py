@@ -77,7 +77,9 @@ def load_configs(names: list[str], configs_dir: Path, k: int,
                  ) -> dict[str, BenchConfig]:
     """Configurations by name: "none", "ngram", "eagle3" (configs_dir/hidden.json served by
     stock vLLM), any configs_dir/NAME.json, or a name of the sweep file (a JSON object of
-    name -> speculative config). `models` replaces a configuration's drafter checkpoint."""
+    name -> speculative config). `models` replaces a configuration's drafter checkpoint; a name
+    that only `models` knows is served as configs_dir's config of its checkpoint's paradigm
+    (two versions of a drafter side by side, with no sweep file)."""
     available = {}
     if sweep is not None:
         if not Path(sweep).is_file():
@@ -92,6 +94,12 @@ def load_configs(names: list[str], configs_dir: Path, k: int,
                             "prompt_lookup_max": 4, "prompt_lookup_min": 2}, True
         elif name in available:
             spec, plugin = dict(available[name]), True
+        elif models and name in models and not (configs_dir / f"{name}.json").is_file():
+            file = configs_dir / f"{checkpoint_paradigm(Path(models[name]))}.json"
+            if not file.is_file():
+                raise KVShotError(f"configuration {name!r}: no serving config {file} for the "
+                                  f"paradigm of {models[name]}")
+            spec, plugin = json.loads(file.read_text()), True
         else:
             file = configs_dir / f"{'hidden' if name == STOCK_EAGLE3 else name}.json"
             if not file.is_file():
@@ -112,6 +120,17 @@ def load_configs(names: list[str], configs_dir: Path, k: int,
                                   f"{spec['model']} (train one, or pass --model {name}=DIR)")
         configs[name] = BenchConfig(name, spec, plugin)
     return configs
+
+
+def checkpoint_paradigm(checkpoint: Path) -> str:
+    """The paradigm a drafter checkpoint's config.json names (the plugin's `kvshot` section)."""
+    file = checkpoint / "config.json"
+    if not file.is_file():
+        raise KVShotError(f"no drafter checkpoint at {checkpoint} (no config.json)")
+    paradigm = json.loads(file.read_text()).get("kvshot", {}).get("paradigm")
+    if paradigm is None:
+        raise KVShotError(f"{file} names no paradigm (no kvshot section): not a kvshot drafter")
+    return paradigm
 
 
 def load_prompts(dataset: Path, max_output_tokens: int) -> list[tuple[list[int], int]]:

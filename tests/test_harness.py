@@ -11,6 +11,7 @@ import psutil
 import pytest
 
 from kvshot_vllm.engine import default_dtype
+from kvshot_vllm.errors import KVShotError
 from kvshot_vllm.harness import (SweepArgs, acceptance, bench_config, load_configs, load_prompts,
                                  run_bench, run_load, scrape_counters, vllm_bench_serve)
 from kvshot_vllm.server import VLLMServer, free_port, serve_command
@@ -203,3 +204,25 @@ def test_a_batch_size_schedule_drafts_the_bench_k() -> None:
     spec = load_configs(["hybrid"], Path("serving_configs"), 5)["hybrid"].speculative
     assert spec["num_speculative_tokens"] == 5
     assert spec["num_speculative_tokens_per_batch_size"] == [[1, 1, 5], [2, 2, 0]]
+
+
+def test_a_new_name_for_a_checkpoint_serves_its_paradigms_config(tmp_path) -> None:
+    """`--model NAME=DIR` with a NAME no config has: DIR's paradigm's serving config with DIR as
+    its drafter, so two versions of a drafter run side by side without a sweep file. A
+    checkpoint without the plugin's paradigm is refused by name."""
+    shipped = Path("drafters/smollm2-135m-instruct")
+    configs = load_configs(["kv", "kv-next", "hidden-next"], Path("serving_configs"), 4,
+                           {"kv-next": str(shipped / "kv"), "hidden-next": str(shipped / "hidden")})
+    assert configs["kv-next"].speculative == {**configs["kv"].speculative,
+                                              "model": str(shipped / "kv")}
+    hidden = json.loads(Path("serving_configs/hidden.json").read_text())
+    assert configs["hidden-next"].speculative["model"] == str(shipped / "hidden")
+    assert configs["hidden-next"].speculative.keys() == hidden.keys()
+    assert "disable_padded_drafter_batch" not in configs["hidden-next"].speculative
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(KVShotError, match="names no paradigm"):
+        load_configs(["other"], Path("serving_configs"), 3, {"other": str(foreign)})
+    with pytest.raises(KVShotError, match="unknown configuration 'nameless'"):
+        load_configs(["nameless"], Path("serving_configs"), 3)
