@@ -83,6 +83,8 @@ def test_sweep_reports_every_field_and_survives_a_failed_server(
         assert acc["mat"] == pytest.approx(acc["accepted"] / acc["drafts"] + 1)
         assert sum(acc["per_position"]) * acc["drafts"] == pytest.approx(acc["accepted"])
         assert row["tpot_speedup"] > 0 and row["throughput_speedup"] > 0
+        # every step yields one token and its accepted drafts; ngram drafts only on a match
+        assert 1 < row["tokens_per_step"] <= row["mat"] and 0 < row["drafting_steps"] <= 1
     assert data["configurations"]["none"]["levels"]["1"].get("mat") is None
     saved = json.loads(out.with_suffix(".json").read_text())
     assert saved["environment"]["versions"]["torch"] and saved["configurations"]["none"][
@@ -185,10 +187,12 @@ def test_goal_lines_judge_each_goal_from_the_run() -> None:
                "hybrid": result("kvshot", c1=(1.1, 1.5, 1.0), c16=(0.5, 1.5, 0.7)),
                "block": result("kvshot", c1=(1.3, 1.4, 1.2), c16=(0.9, 1.4, 1.1)),
                "kv": {**result("kvshot", c1=(2.0, 2.0, 2.0)), "failed": "died"}}
+    results["ngram"]["levels"]["1"].update(tokens_per_step=1.7, drafting_steps=0.7)
     table = {line.split(" | ")[0].lstrip("| "): line.rsplit(" | ", 2)[1:]
              for line in goal_lines(results) if line.startswith("| ") and "---" not in line}
     assert table["ngram: TPOT speedup at c = 1 at least 0.75x its acceptance length"] == [
-        "1.60x at MAT 2.00: 0.80x", "yes |"]
+        "1.60x at MAT 2.00: 0.80x; 0.94x its 1.70 tokens per step, drafting in 70% of steps",
+        "yes |"]
     assert table["best plugin drafter (block): TPOT at c = 1 at least 1.5x no speculation"] == [
         "1.30x", "no |"]
     assert table["block: TPOT at c = 1 above stock EAGLE-3 (hidden)"] == [
@@ -226,3 +230,21 @@ def test_a_new_name_for_a_checkpoint_serves_its_paradigms_config(tmp_path) -> No
         load_configs(["other"], Path("serving_configs"), 3, {"other": str(foreign)})
     with pytest.raises(KVShotError, match="unknown configuration 'nameless'"):
         load_configs(["nameless"], Path("serving_configs"), 3)
+
+
+def test_tokens_per_step_count_every_decode_step() -> None:
+    """Two repeats of 2 requests: 40 tokens after the first ones, 10 drafts accepted in 4
+    proposals of 3 (MAT 3.5), so 30 steps, 4/3 tokens a step, 4 of 30 steps drafting."""
+    from kvshot_vllm.harness import combine
+
+    def repeat(tokens, accepted, drafts):
+        acc = {"drafts": drafts, "accepted": accepted, "draft_tokens": 3 * drafts,
+               "mat": accepted / drafts + 1, "per_position": [1.0, 0.75, accepted / drafts - 1.75]}
+        return {"requests": 2, "errors": 0, "output_tokens": tokens, "output_tok_s": 1.0,
+                "req_s": 1.0, "acceptance": acc,
+                **{k: {"p50": 1.0, "p90": 1.0, "p99": 1.0} for k in ("ttft_ms", "tpot_ms", "itl_ms")}}
+
+    out = combine([repeat(22, 5, 2), repeat(22, 5, 2)])
+    assert out["mat"] == pytest.approx(3.5)
+    assert out["tokens_per_step"] == pytest.approx(40 / 30)
+    assert out["drafting_steps"] == pytest.approx(4 / 30)
