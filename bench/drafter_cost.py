@@ -19,7 +19,7 @@ kernels (`KVSHOT_TORCH_MATMUL=1`: projections unfused, torch's matmul); with
 `--eager-layers-too`, as before their layers were compiled (`KVSHOT_EAGER_LAYERS=1`); each in
 the same run.
 
-    python bench/drafter_cost.py [--k 3] [--draft-vocab 8192] [--torch-matmul-too]
+    python bench/drafter_cost.py [--k 3] [--draft-vocab 8192] [--drafters kv hybrid ...] [--torch-matmul-too]
         [--eager-layers-too] [--out bench/results/drafter_cost]
 """
 
@@ -44,6 +44,10 @@ os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # timer install
 
 STOCK = "stock EAGLE-3 (hidden-only)"
 LOCAL_STOCK = "stock EAGLE-3 + local argmax"
+PLUGIN_DRAFTERS = {"kv": "KV-only, 1 layer", "hybrid": "hybrid",
+                   "hybrid-1": "hybrid, 1 target layer read",
+                   "block": "block-parallel, 1 layer",
+                   "block-ssm": "block-parallel + recurrent mixer"}
 PROMPTS = [
     "Explain how a hash map works, with an example in Python.",
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -134,6 +138,10 @@ def main() -> None:
                     help="also serve the plugin's drafters unfused on torch's matmul")
     ap.add_argument("--eager-layers-too", action="store_true",
                     help="also serve the plugin's drafters with their layers eager")
+    ap.add_argument("--drafters", nargs="+", choices=list(PLUGIN_DRAFTERS),
+                    default=[n for n in PLUGIN_DRAFTERS if n != "hybrid-1"],
+                    help="the plugin's drafters to serve beside stock EAGLE-3 (default: all "
+                    "but hybrid-1, the hybrid reading one target layer instead of three)")
     ap.add_argument("--out", default="bench/results/drafter_cost")
     a = ap.parse_args()
 
@@ -145,6 +153,8 @@ def main() -> None:
                 for p in paradigm_names()}
     drafters["block-ssm"] = init_checkpoint(target, root / "block-ssm", paradigm="block",
                                             ssm_state_size=8, draft_vocab_size=a.draft_vocab)
+    drafters["hybrid-1"] = init_checkpoint(target, root / "hybrid-1", paradigm="hybrid",
+                                           kv_layers=[29], draft_vocab_size=a.draft_vocab)
     runs = {"no speculation": measure(target, data_dir, None, a.k, a.max_tokens,
                                       a.max_model_len),
             STOCK: measure(target, data_dir, drafters["hidden"], a.k, a.max_tokens,
@@ -154,9 +164,8 @@ def main() -> None:
     variants = {label: env for wanted, label, env in (
         (a.torch_matmul_too, "torch matmul", TORCH_MATMUL_ENV),
         (a.eager_layers_too, "eager layers", EAGER_LAYERS_ENV)) if wanted}
-    for name, label in (("hidden", LOCAL_STOCK), ("kv", "KV-only, 1 layer"),
-                        ("hybrid", "hybrid"), ("block", "block-parallel, 1 layer"),
-                        ("block-ssm", "block-parallel + recurrent mixer")):
+    for name, label in [("hidden", LOCAL_STOCK),
+                        *((n, PLUGIN_DRAFTERS[n]) for n in PLUGIN_DRAFTERS if n in a.drafters)]:
         runs[label] = measure(target, data_dir, drafters[name], a.k, a.max_tokens,
                               a.max_model_len)
         print(label, runs[label], flush=True)
