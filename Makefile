@@ -6,7 +6,7 @@ export KVSHOT_DATA_DIR ?= $(CURDIR)/data
 
 .PHONY: setup demo test test-slow clean-data data-scale data-scale-8k train-scale data-long \
 	memory-study train-block-scale train-kv-scale train-hybrid-scale train-hidden-v3 \
-	train-hidden-v4 train-hidden-v5 train-kv-v2 train-kv-v3 train-kv-v4 soft-targets-study study-scale retrieval-study own-view-study \
+	train-hidden-v4 train-hidden-v5 train-kv-v2 train-kv-v3 train-kv-v4 soft-targets-study hybrid-1-study study-scale retrieval-study own-view-study \
 	memory-serving-study multiview-study
 
 setup: $(VENV)/.setup-done
@@ -45,6 +45,12 @@ train-scale: data-scale
 	nice -n 10 $(VENV)/bin/kvshot train --paradigm hidden --preset full --target $(SCALE_TARGET) \
 	  --dataset $(SCALE_DATA) --forward-dtype bfloat16 --snapshot-every 80 --out $(SCALE_RUN)
 	$(VENV)/bin/kvshot curve $(SCALE_RUN) --out results/curve-hidden
+
+# Drafters served side by side as the shipped ones are compared (bench/results/hidden-v4.md):
+# c = 1, k = 3, 16 held-out prompts of up to 128 tokens, bf16, compiled; about 2 minutes a
+# configuration. Add --configs, --model NAME=CHECKPOINT, --dataset and --out.
+SERVED_VERSIONS = $(VENV)/bin/kvshot bench --k 3 --levels 1 --requests 16 \
+  --max-output-tokens 128 --target $(SCALE_TARGET)
 
 # A drafter at scale: $(call train_at_scale,NAME,OPTIONS) trains the `full` preset on
 # data-scale's set with the `kvshot train` OPTIONS, a snapshot every 80 steps for `kvshot curve`,
@@ -142,16 +148,37 @@ train-kv-v3: data-scale
 # 20 minutes of training each on 2 cores, and 15-35 for the extraction.
 SOFT_STUDY = $(KVSHOT_DATA_DIR)/runs/soft-study
 define train_half_pass
-	nice -n 10 $(VENV)/bin/kvshot train --paradigm hidden --init $(HIDDEN_V4) --preset full \
+	nice -n 10 $(VENV)/bin/kvshot train --init $(HIDDEN_V4) --preset full \
 	  --steps 240 $(2) --target $(SCALE_TARGET) --dataset $(SCALE_DATA) \
 	  --forward-dtype bfloat16 --snapshot-every 80 --out $(SOFT_STUDY)/$(1)
 endef
 soft-targets-study: data-scale $(HIDDEN_V4)/manifest.json
-	$(call train_half_pass,hard,)
-	$(call train_half_pass,soft,--soft-targets 32)
+	$(call train_half_pass,hard,--paradigm hidden)
+	$(call train_half_pass,soft,--paradigm hidden --soft-targets 32)
 	$(VENV)/bin/kvshot diagnose hidden-v4=$(HIDDEN_V4) hard=$(SOFT_STUDY)/hard/checkpoint \
 	  soft=$(SOFT_STUDY)/soft/checkpoint --target $(SCALE_TARGET) --dataset $(SCALE_DATA) \
 	  --forward-dtype bfloat16 --out results/soft-targets
+
+# A hybrid whose cross branch reads one target layer (29) instead of three: a third of the
+# cross projections and attention calls, 0.96x stock EAGLE-3's proposal time against 1.34x for
+# three layers (bench/results/drafter_cost_hybrid1.md). The same half pass from the shipped
+# hidden-only drafter's fourth version as soft-targets-study's `hard` run, the cross branch and
+# gate fresh, so the two differ in the paradigm alone; diagnosed beside them and the shipped
+# hybrid, then served side by side (SERVED_VERSIONS on data-scale's held-out split, the same
+# prompts). About 35 minutes of training on 2 cores, 25 more for the diagnosis and the bench.
+hybrid-1-study: data-scale $(HIDDEN_V4)/manifest.json
+	test -f $(SOFT_STUDY)/hard/checkpoint/model.safetensors || \
+	  $(call train_half_pass,hard,--paradigm hidden)
+	$(call train_half_pass,hybrid-1,--paradigm hybrid --kv-layers 29)
+	$(VENV)/bin/kvshot diagnose hidden-v4=$(HIDDEN_V4) hard=$(SOFT_STUDY)/hard/checkpoint \
+	  hybrid-1=$(SOFT_STUDY)/hybrid-1/checkpoint hybrid=drafters/smollm2-135m-instruct/hybrid \
+	  --target $(SCALE_TARGET) --dataset $(SCALE_DATA) --forward-dtype bfloat16 \
+	  --out results/hybrid-1
+	$(VENV)/bin/kvshot curve $(SOFT_STUDY)/hybrid-1 --out results/curve-hybrid-1
+	$(SERVED_VERSIONS) --configs none ngram hidden hidden-hard hybrid hybrid-1 \
+	  --model hidden-hard=$(SOFT_STUDY)/hard/checkpoint \
+	  --model hybrid-1=$(SOFT_STUDY)/hybrid-1/checkpoint --dataset $(SCALE_DATA) \
+	  --out bench/results/hybrid-1
 
 # Issue 12's study at the scale budget, diagnosed in one run on the held-out split: the drafters
 # of 3,840 training sequences (hidden-only: its second version, restored from git; KV-only,
@@ -184,11 +211,9 @@ data-scale-8k: data-scale
 # (results/curve-hidden-v4.md). First the features of the 8k set (tens of GB under DATA_DIR),
 # then the training, both resumable: rerun the same command. Diagnosed beside the fourth on
 # the held-out split (the same 100 conversations as data-scale's, and the same replies), then
-# served beside it through vLLM (SERVED_VERSIONS: c = 1, k = 3, 16 held-out prompts of up to
-# 128 tokens; about 10 minutes): ship the new version only if it accepts more there.
+# served beside it through vLLM (SERVED_VERSIONS): ship the new version only if it accepts
+# more there.
 STEPS8K = 1690
-SERVED_VERSIONS = $(VENV)/bin/kvshot bench --k 3 --levels 1 --requests 16 \
-  --max-output-tokens 128 --target $(SCALE_TARGET) --dataset $(SCALE8K_DATA)
 train-hidden-v5: data-scale-8k $(HIDDEN_V4)/manifest.json
 	nice -n 10 $(VENV)/bin/kvshot train --paradigm hidden --init $(HIDDEN_V4) --preset full \
 	  --steps $(STEPS8K) --target $(SCALE_TARGET) --dataset $(SCALE8K_DATA) \
@@ -199,7 +224,7 @@ train-hidden-v5: data-scale-8k $(HIDDEN_V4)/manifest.json
 	$(VENV)/bin/kvshot curve $(KVSHOT_DATA_DIR)/runs/scale8k-hidden-v5 --out results/curve-hidden-v5
 	$(SERVED_VERSIONS) --configs none ngram hidden hidden-v5 \
 	  --model hidden-v5=$(KVSHOT_DATA_DIR)/runs/scale8k-hidden-v5/checkpoint \
-	  --out bench/results/hidden-v5
+	  --dataset $(SCALE8K_DATA) --out bench/results/hidden-v5
 
 # And the KV-only drafter's fourth pass, the same way from its shipped third version's run
 # (runs/scale-kv-v3, `make train-kv-v3`), over the same features.
@@ -215,7 +240,8 @@ train-kv-v4: data-scale-8k
 	  --dataset $(SCALE8K_DATA) --forward-dtype bfloat16 --out results/kv-v4
 	$(VENV)/bin/kvshot curve $(KVSHOT_DATA_DIR)/runs/scale8k-kv-v4 --out results/curve-kv-v4
 	$(SERVED_VERSIONS) --configs none ngram hidden kv kv-v4 \
-	  --model kv-v4=$(KVSHOT_DATA_DIR)/runs/scale8k-kv-v4/checkpoint --out bench/results/kv-v4
+	  --model kv-v4=$(KVSHOT_DATA_DIR)/runs/scale8k-kv-v4/checkpoint --dataset $(SCALE8K_DATA) \
+	  --out bench/results/kv-v4
 
 # The long-context workload (issue 15): one held-out data set per prefix bucket, standard-library
 # modules to continue and ShareGPT histories, 128 regenerated tokens each (7K has 3 held-out
