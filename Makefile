@@ -83,10 +83,14 @@ SHIPPED_COMMIT_hidden-v2 = 2888cf0
 SHIPPED_COMMIT_hidden-v4 = fd368c4
 SHIPPED_COMMIT_kv-v1 = b1825b5
 SHIPPED_COMMIT_kv-v2 = 6f34b91
+SHIPPED_COMMIT_hybrid-v2 = 4277072
 HIDDEN_V1 = $(KVSHOT_DATA_DIR)/drafters/hidden-v1
 HIDDEN_V2 = $(KVSHOT_DATA_DIR)/drafters/hidden-v2
 HIDDEN_V4 = $(KVSHOT_DATA_DIR)/drafters/hidden-v4
 KV_V1 = $(KVSHOT_DATA_DIR)/drafters/kv-v1
+# the shipped hybrid's second version (three target layers read), which the studies of the
+# long-context views and memory started from, before the one-layer hybrid replaced it
+HYBRID_V2 = $(KVSHOT_DATA_DIR)/drafters/hybrid-v2
 $(KVSHOT_DATA_DIR)/drafters/%/manifest.json:
 	mkdir -p $(@D)
 	src=drafters/smollm2-135m-instruct/$(firstword $(subst -, ,$*)); \
@@ -166,17 +170,17 @@ soft-targets-study: data-scale $(HIDDEN_V4)/manifest.json
 # gate fresh, so the two differ in the paradigm alone; diagnosed beside them and the shipped
 # hybrid, then served side by side (SERVED_VERSIONS on data-scale's held-out split, the same
 # prompts). About 35 minutes of training on 2 cores, 25 more for the diagnosis and the bench.
-hybrid-1-study: data-scale $(HIDDEN_V4)/manifest.json
+hybrid-1-study: data-scale $(HIDDEN_V4)/manifest.json $(HYBRID_V2)/manifest.json
 	test -f $(SOFT_STUDY)/hard/checkpoint/model.safetensors || \
 	  $(call train_half_pass,hard,--paradigm hidden)
 	$(call train_half_pass,hybrid-1,--paradigm hybrid --kv-layers 29)
 	$(VENV)/bin/kvshot diagnose hidden-v4=$(HIDDEN_V4) hard=$(SOFT_STUDY)/hard/checkpoint \
-	  hybrid-1=$(SOFT_STUDY)/hybrid-1/checkpoint hybrid=drafters/smollm2-135m-instruct/hybrid \
+	  hybrid-1=$(SOFT_STUDY)/hybrid-1/checkpoint hybrid=$(HYBRID_V2) \
 	  --target $(SCALE_TARGET) --dataset $(SCALE_DATA) --forward-dtype bfloat16 \
 	  --out results/hybrid-1
 	$(VENV)/bin/kvshot curve $(SOFT_STUDY)/hybrid-1 --out results/curve-hybrid-1
 	$(SERVED_VERSIONS) --configs none ngram hidden hidden-hard hybrid hybrid-1 \
-	  --model hidden-hard=$(SOFT_STUDY)/hard/checkpoint \
+	  --model hidden-hard=$(SOFT_STUDY)/hard/checkpoint --model hybrid=$(HYBRID_V2) \
 	  --model hybrid-1=$(SOFT_STUDY)/hybrid-1/checkpoint --dataset $(SCALE_DATA) \
 	  --out bench/results/hybrid-1
 
@@ -184,12 +188,12 @@ hybrid-1-study: data-scale $(HIDDEN_V4)/manifest.json
 # of 3,840 training sequences (hidden-only: its second version, restored from git; KV-only,
 # hybrid), then the shipped drafters that trained further (their manifests count the tokens
 # they inherited).
-study-scale: train-kv-scale train-hybrid-scale $(HIDDEN_V2)/manifest.json
+study-scale: train-kv-scale train-hybrid-scale $(HIDDEN_V2)/manifest.json $(HYBRID_V2)/manifest.json
 	$(VENV)/bin/kvshot diagnose hidden=$(HIDDEN_V2) \
 	  kv-1L=$(KVSHOT_DATA_DIR)/runs/scale-kv-1L/checkpoint \
 	  hybrid=$(KVSHOT_DATA_DIR)/runs/scale-hybrid-study/checkpoint \
 	  hidden-shipped=drafters/smollm2-135m-instruct/hidden \
-	  hybrid-shipped=drafters/smollm2-135m-instruct/hybrid \
+	  hybrid-shipped=$(HYBRID_V2) \
 	  block-shipped=drafters/smollm2-135m-instruct/block \
 	  --target $(SCALE_TARGET) --dataset $(SCALE_DATA) --forward-dtype bfloat16 \
 	  --out results/study-scale
@@ -255,21 +259,21 @@ data-long: setup
 	    --out $(KVSHOT_DATA_DIR)/datasets/long-$${spec%:*} || exit 1; \
 	done
 
-# Compressed draft memory (issue 16), offline: the shipped hybrid's own EAGLE-3 cache under a
+# Compressed draft memory (issue 16), offline: the second shipped hybrid's own EAGLE-3 cache under a
 # 48-token view (blocks of 16) whose left-out chunks of 32 keys are summarised in 4 slots each.
 # Only the adaptor trains, 120 steps of 4 sequences, once by distillation from the hybrid's
 # full view and once by TTT (about 10 minutes each on 2 cores); then both are diagnosed beside
 # the full and streaming views on the held-out ShareGPT split and the long-context buckets.
 MEMORY_TRAIN = $(VENV)/bin/kvshot train --paradigm hybrid \
-  --init drafters/smollm2-135m-instruct/hybrid --kv-budget 48 --view-block-size 16 \
+  --init $(HYBRID_V2) --kv-budget 48 --view-block-size 16 \
   --view-draft-cache --memory 32:4 --memory-caches draft --train-only memory --preset full \
   --steps 120 --batch-size 4 --lr 5e-3 --checkpoint-every 10 --target $(SCALE_TARGET) \
   --dataset $(SCALE_DATA) --forward-dtype bfloat16
-MEMORY_DIAGNOSE = $(VENV)/bin/kvshot diagnose hybrid=drafters/smollm2-135m-instruct/hybrid \
+MEMORY_DIAGNOSE = $(VENV)/bin/kvshot diagnose hybrid=$(HYBRID_V2) \
   memory-distill=$(KVSHOT_DATA_DIR)/runs/memory-draft-distill/checkpoint \
   memory-ttt=$(KVSHOT_DATA_DIR)/runs/memory-draft-ttt/checkpoint --view-block-size 16 \
   --target $(SCALE_TARGET) --forward-dtype bfloat16
-memory-study: data-scale data-long
+memory-study: data-scale data-long $(HYBRID_V2)/manifest.json
 	$(MEMORY_TRAIN) --objective distill --name memory-draft-distill
 	$(MEMORY_TRAIN) --objective ttt --name memory-draft-ttt
 	$(MEMORY_DIAGNOSE) --kv-budgets 48 --view-draft-cache --dataset $(SCALE_DATA) \
@@ -323,12 +327,12 @@ multiview-study: data-scale data-long
 	done
 
 # Retrieval against streaming views of the target's cache (issue 15), offline, at equal budgets:
-# the shipped hybrid (trained on the full view) on each long-context bucket, its cross-attention
-# reading 128 or 256 verified target keys, streaming (sink + recent window) or retrieval (sink,
-# two recent blocks, the best-scoring blocks between them). Minutes per bucket.
-retrieval-study: data-long
+# the second shipped hybrid (trained on the full view) on each long-context bucket, its
+# cross-attention reading 128 or 256 verified target keys, streaming (sink + recent window) or
+# retrieval (sink, two recent blocks, the best-scoring blocks between them). Minutes per bucket.
+retrieval-study: data-long $(HYBRID_V2)/manifest.json
 	for spec in $(LONG_BUCKETS); do \
-	  $(VENV)/bin/kvshot diagnose hybrid=drafters/smollm2-135m-instruct/hybrid \
+	  $(VENV)/bin/kvshot diagnose hybrid=$(HYBRID_V2) \
 	    --kv-budgets 128 128+retrieval 256 256+retrieval --batch-size 1 --target $(SCALE_TARGET) \
 	    --forward-dtype bfloat16 --dataset $(KVSHOT_DATA_DIR)/datasets/long-$${spec%:*} \
 	    --out results/hybrid-retrieval-long-$${spec%:*} || exit 1; \
