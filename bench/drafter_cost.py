@@ -19,8 +19,8 @@ kernels (`KVSHOT_TORCH_MATMUL=1`: projections unfused, torch's matmul); with
 `--eager-layers-too`, as before their layers were compiled (`KVSHOT_EAGER_LAYERS=1`); each in
 the same run.
 
-    python bench/drafter_cost.py [--k 3] [--draft-vocab 8192] [--drafters kv hybrid ...] [--torch-matmul-too]
-        [--eager-layers-too] [--out bench/results/drafter_cost]
+    python bench/drafter_cost.py [--k 3] [--draft-vocab 8192] [--drafters kv hybrid ...]
+        [--torch-matmul-too] [--eager-layers-too] [--out bench/results/drafter_cost]
 """
 
 from __future__ import annotations

@@ -94,14 +94,10 @@ def load_configs(names: list[str], configs_dir: Path, k: int,
                             "prompt_lookup_max": 4, "prompt_lookup_min": 2}, True
         elif name in available:
             spec, plugin = dict(available[name]), True
-        elif models and name in models and not (configs_dir / f"{name}.json").is_file():
-            file = configs_dir / f"{checkpoint_paradigm(Path(models[name]))}.json"
-            if not file.is_file():
-                raise KVShotError(f"configuration {name!r}: no serving config {file} for the "
-                                  f"paradigm of {models[name]}")
-            spec, plugin = json.loads(file.read_text()), True
         else:
             file = configs_dir / f"{'hidden' if name == STOCK_EAGLE3 else name}.json"
+            if not file.is_file() and models and name in models:
+                file = configs_dir / f"{checkpoint_paradigm(Path(models[name]))}.json"
             if not file.is_file():
                 known = sorted({*BUILTIN, *available, *(p.stem for p in configs_dir.glob("*.json"))})
                 raise KVShotError(f"unknown configuration {name!r}; choose from {known}")

@@ -228,6 +228,10 @@ def test_a_new_name_for_a_checkpoint_serves_its_paradigms_config(tmp_path) -> No
     (foreign / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     with pytest.raises(KVShotError, match="names no paradigm"):
         load_configs(["other"], Path("serving_configs"), 3, {"other": str(foreign)})
+    # stock EAGLE-3 keeps its own config and stays served without the plugin
+    stock = load_configs(["eagle3"], Path("serving_configs"), 3, {"eagle3": str(shipped / "hidden")})
+    assert not stock["eagle3"].plugin and stock["eagle3"].speculative["model"] == str(
+        shipped / "hidden")
     with pytest.raises(KVShotError, match="unknown configuration 'nameless'"):
         load_configs(["nameless"], Path("serving_configs"), 3)
 
