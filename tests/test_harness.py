@@ -229,7 +229,8 @@ def test_a_new_name_for_a_checkpoint_serves_its_paradigms_config(tmp_path) -> No
     with pytest.raises(KVShotError, match="names no paradigm"):
         load_configs(["other"], Path("serving_configs"), 3, {"other": str(foreign)})
     # stock EAGLE-3 keeps its own config and stays served without the plugin
-    stock = load_configs(["eagle3"], Path("serving_configs"), 3, {"eagle3": str(shipped / "hidden")})
+    stock = load_configs(["eagle3"], Path("serving_configs"), 3,
+                         {"eagle3": str(shipped / "hidden")})
     assert not stock["eagle3"].plugin and stock["eagle3"].speculative["model"] == str(
         shipped / "hidden")
     with pytest.raises(KVShotError, match="unknown configuration 'nameless'"):
@@ -246,7 +247,8 @@ def test_tokens_per_step_count_every_decode_step() -> None:
                "mat": accepted / drafts + 1, "per_position": [1.0, 0.75, accepted / drafts - 1.75]}
         return {"requests": 2, "errors": 0, "output_tokens": tokens, "output_tok_s": 1.0,
                 "req_s": 1.0, "acceptance": acc,
-                **{k: {"p50": 1.0, "p90": 1.0, "p99": 1.0} for k in ("ttft_ms", "tpot_ms", "itl_ms")}}
+                **{k: {"p50": 1.0, "p90": 1.0, "p99": 1.0}
+                   for k in ("ttft_ms", "tpot_ms", "itl_ms")}}
 
     out = combine([repeat(22, 5, 2), repeat(22, 5, 2)])
     assert out["mat"] == pytest.approx(3.5)
