@@ -7,7 +7,7 @@ export KVSHOT_DATA_DIR ?= $(CURDIR)/data
 .PHONY: setup demo test test-slow clean-data data-scale data-scale-8k train-scale data-long \
 	memory-study train-block-scale train-kv-scale train-hybrid-scale train-hidden-v3 \
 	train-hidden-v4 train-hidden-v5 train-kv-v2 train-kv-v3 train-kv-v4 soft-targets-study hybrid-1-study study-scale retrieval-study own-view-study \
-	memory-serving-study multiview-study
+	memory-serving-study multiview-study data-long-train multiview-long-study memory-long-study
 
 setup: $(VENV)/.setup-done
 $(VENV)/.setup-done: pyproject.toml scripts/setup.sh
@@ -259,6 +259,17 @@ data-long: setup
 	    --out $(KVSHOT_DATA_DIR)/datasets/long-$${spec%:*} || exit 1; \
 	done
 
+# Long training sequences for issues 15 and 16 (BudgetDraft trains its views, and a memory learns
+# what distant blocks hold, on long prefixes; ShareGPT's 2-turn sets stop near 1K tokens):
+# 360 training prompts of about 4K tokens, 78 standard-library modules and 282 ShareGPT
+# histories (of 370 the training split has at that length), 128 regenerated tokens each.
+# Resumable.
+LONG_TRAIN = $(KVSHOT_DATA_DIR)/datasets/long-train-4096
+data-long-train: setup
+	$(VENV)/bin/kvshot target prepare --dtype float32 --no-check
+	nice -n 10 $(VENV)/bin/kvshot data prepare --long 4096 --num-prompts 360 --num-heldout 0 \
+	  --max-new-tokens 128 --chunk-size 8 --target $(SCALE_TARGET) --out $(LONG_TRAIN)
+
 # Compressed draft memory (issue 16), offline: the second shipped hybrid's own EAGLE-3 cache under a
 # 48-token view (blocks of 16) whose left-out chunks of 32 keys are summarised in 4 slots each.
 # Only the adaptor trains, 120 steps of 4 sequences, once by distillation from the hybrid's
@@ -292,12 +303,13 @@ memory-study: data-scale data-long $(HYBRID_V2)/manifest.json
 # is diagnosed on the long-context buckets beside the full cache and streaming views of about
 # the memory's bytes at 4K and 7K (512 and 1024 tokens). Served cost: README, issue 16.
 MEMORY_HIDDEN = $(KVSHOT_DATA_DIR)/runs/memory-hidden-distill/checkpoint
+MEMORY_HIDDEN_TRAIN = $(VENV)/bin/kvshot train --paradigm hidden \
+  --init drafters/smollm2-135m-instruct/hidden --kv-budget 96 --view-block-size 32 \
+  --view-draft-cache --memory 32:4 --memory-caches draft --train-only memory --objective distill \
+  --preset full --steps 120 --batch-size 4 --lr 5e-3 --checkpoint-every 10 \
+  --target $(SCALE_TARGET) --forward-dtype bfloat16
 memory-serving-study: data-scale data-long
-	$(VENV)/bin/kvshot train --paradigm hidden --init drafters/smollm2-135m-instruct/hidden \
-	  --kv-budget 96 --view-block-size 32 --view-draft-cache --memory 32:4 --memory-caches draft \
-	  --train-only memory --objective distill --preset full --steps 120 --batch-size 4 \
-	  --lr 5e-3 --checkpoint-every 10 --target $(SCALE_TARGET) --dataset $(SCALE_DATA) \
-	  --forward-dtype bfloat16 --name memory-hidden-distill
+	$(MEMORY_HIDDEN_TRAIN) --dataset $(SCALE_DATA) --name memory-hidden-distill
 	for spec in $(LONG_BUCKETS); do \
 	  $(VENV)/bin/kvshot diagnose hidden=drafters/smollm2-135m-instruct/hidden \
 	    memory=$(MEMORY_HIDDEN) --kv-budgets 96+own 512+own 1024+own --view-block-size 32 \
@@ -324,6 +336,44 @@ multiview-study: data-scale data-long
 	    --target $(SCALE_TARGET) --forward-dtype bfloat16 \
 	    --dataset $(KVSHOT_DATA_DIR)/datasets/long-$$bucket \
 	    --out results/hidden-multiview-long-$$bucket || exit 1; \
+	done
+
+# Issue 15, goal 1, on long sequences: the shipped hidden-only drafter fine-tuned on
+# data-long-train with BudgetDraft's views of its own cache (256 / 512 / 1024 / 2048 tokens at
+# 0.4 / 0.3 / 0.2 / 0.1) and, as the sparse/full mismatch baseline, the same fine-tune on the
+# full cache only; 120 steps of 4 sequences each. Then all three on the 4K and 7K buckets, full
+# and at 128 and 256 tokens.
+LONG_FINETUNE = nice -n 10 $(VENV)/bin/kvshot train --paradigm hidden \
+  --init drafters/smollm2-135m-instruct/hidden --preset full --steps 120 --batch-size 4 \
+  --lr 5e-4 --checkpoint-every 10 --target $(SCALE_TARGET) --dataset $(LONG_TRAIN) \
+  --forward-dtype bfloat16
+multiview-long-study: data-long data-long-train
+	$(LONG_FINETUNE) --name hidden-long-full
+	$(LONG_FINETUNE) --multi-view --view-draft-cache --view-block-size 32 \
+	  --name hidden-multiview-long
+	for bucket in 4096 7168; do \
+	  $(VENV)/bin/kvshot diagnose hidden=drafters/smollm2-135m-instruct/hidden \
+	    full-long=$(KVSHOT_DATA_DIR)/runs/hidden-long-full/checkpoint \
+	    multi-view-long=$(KVSHOT_DATA_DIR)/runs/hidden-multiview-long/checkpoint \
+	    --kv-budgets 128+own 256+own --batch-size 1 --target $(SCALE_TARGET) \
+	    --forward-dtype bfloat16 --dataset $(KVSHOT_DATA_DIR)/datasets/long-$$bucket \
+	    --out results/hidden-multiview-long-train-$$bucket || exit 1; \
+	done
+
+# Issue 16 on long sequences: memory-serving-study's adaptor (a 96-token view of the shipped
+# hidden-only drafter's own cache, 4 slots per left-out block of 32) distilled on
+# data-long-train instead of ShareGPT's short sequences, diagnosed beside that one and the
+# streaming views of about its bytes on the 4K and 7K buckets.
+memory-long-study: data-scale data-long data-long-train
+	$(MEMORY_HIDDEN_TRAIN) --dataset $(SCALE_DATA) --name memory-hidden-distill
+	$(MEMORY_HIDDEN_TRAIN) --dataset $(LONG_TRAIN) --name memory-hidden-long
+	for bucket in 4096 7168; do \
+	  $(VENV)/bin/kvshot diagnose hidden=drafters/smollm2-135m-instruct/hidden \
+	    memory=$(MEMORY_HIDDEN) memory-long=$(KVSHOT_DATA_DIR)/runs/memory-hidden-long/checkpoint \
+	    --kv-budgets 96+own 512+own --view-block-size 32 --batch-size 1 \
+	    --target $(SCALE_TARGET) --forward-dtype bfloat16 \
+	    --dataset $(KVSHOT_DATA_DIR)/datasets/long-$$bucket \
+	    --out results/memory-hidden-long-train-$$bucket || exit 1; \
 	done
 
 # Retrieval against streaming views of the target's cache (issue 15), offline, at equal budgets:
