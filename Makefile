@@ -341,12 +341,14 @@ multiview-study: data-scale data-long
 # Issue 15, goal 1, on long sequences: the shipped hidden-only drafter fine-tuned on
 # data-long-train with BudgetDraft's views of its own cache (256 / 512 / 1024 / 2048 tokens at
 # 0.4 / 0.3 / 0.2 / 0.1) and, as the sparse/full mismatch baseline, the same fine-tune on the
-# full cache only; 120 steps of 4 sequences each. Then all three on the 4K and 7K buckets, full
-# and at 128 and 256 tokens.
+# full cache only; 480 steps of one sequence each (1.3 epochs). One: a batch runs the chain over
+# every row from its shortest prompt on, and at 4K the prompts of a batch of 4 differ by up to
+# ~1K tokens, most of them rows with no loss (34 s a step against 2.7 for one sequence, Intel
+# AMX). Then all three on the 4K and 7K buckets, full and at 128 and 256 tokens.
+LONG_STEPS = --steps 480 --batch-size 1 --checkpoint-every 40
 LONG_FINETUNE = nice -n 10 $(VENV)/bin/kvshot train --paradigm hidden \
-  --init drafters/smollm2-135m-instruct/hidden --preset full --steps 120 --batch-size 4 \
-  --lr 5e-4 --checkpoint-every 10 --target $(SCALE_TARGET) --dataset $(LONG_TRAIN) \
-  --forward-dtype bfloat16
+  --init drafters/smollm2-135m-instruct/hidden --preset full $(LONG_STEPS) --lr 2.5e-4 \
+  --target $(SCALE_TARGET) --dataset $(LONG_TRAIN) --forward-dtype bfloat16
 multiview-long-study: data-long data-long-train
 	$(LONG_FINETUNE) --name hidden-long-full
 	$(LONG_FINETUNE) --multi-view --view-draft-cache --view-block-size 32 \
@@ -362,11 +364,12 @@ multiview-long-study: data-long data-long-train
 
 # Issue 16 on long sequences: memory-serving-study's adaptor (a 96-token view of the shipped
 # hidden-only drafter's own cache, 4 slots per left-out block of 32) distilled on
-# data-long-train instead of ShareGPT's short sequences, diagnosed beside that one and the
-# streaming views of about its bytes on the 4K and 7K buckets.
+# data-long-train instead of ShareGPT's short sequences (one sequence a step, as above),
+# diagnosed beside that one and the streaming views of about its bytes on the 4K and 7K buckets.
 memory-long-study: data-scale data-long data-long-train
 	$(MEMORY_HIDDEN_TRAIN) --dataset $(SCALE_DATA) --name memory-hidden-distill
-	$(MEMORY_HIDDEN_TRAIN) --dataset $(LONG_TRAIN) --name memory-hidden-long
+	$(MEMORY_HIDDEN_TRAIN) --dataset $(LONG_TRAIN) $(LONG_STEPS) --lr 2.5e-3 \
+	  --name memory-hidden-long
 	for bucket in 4096 7168; do \
 	  $(VENV)/bin/kvshot diagnose hidden=drafters/smollm2-135m-instruct/hidden \
 	    memory=$(MEMORY_HIDDEN) memory-long=$(KVSHOT_DATA_DIR)/runs/memory-hidden-long/checkpoint \
