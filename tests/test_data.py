@@ -152,11 +152,15 @@ def test_resume_after_kill_gives_the_same_file(target_bf16: Path, data_dir: Path
     assert proc.returncode == 0, proc.stderr[-3000:]
     finished = {s: (reference / f"{s}.jsonl").read_text() for s in ("train", "heldout")}
     assert '"turn": 2' in finished["train"]
-    # A rerun of a finished data set keeps every turn and regenerates nothing.
+    made = json.loads((reference / "manifest.json").read_text())["last_run"]
+    assert made["generated_prompts"] > 0 and made["tokens_per_s"] > 0, made
+    # A rerun of a finished data set keeps every turn and regenerates nothing, and the manifest
+    # still says what the run that made it generated, and how fast.
     proc = run_kvshot("data", "prepare", *common, "--out", str(reference))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "nothing to regenerate" in proc.stdout, proc.stdout
     assert {s: (reference / f"{s}.jsonl").read_text() for s in finished} == finished
+    assert json.loads((reference / "manifest.json").read_text())["last_run"] == made
 
     # A larger set grown from it takes every reply it answered and regenerates only the rest.
     grown = tmp_path / "grown"
