@@ -690,7 +690,8 @@ def prepare_data(
                               f"{args.max_new_tokens} exceed the target's context of {context}")
         long = long_prompts(source, tokenizer, args, stats)
         found = {split: len(prompts) for split, prompts in long.items()}
-        what = f"prompts of about {args.long_prefix} tokens"
+        what = f"prompts of about {args.long_prefix} tokens (standard-library modules and " \
+               f"histories)"
     else:
         selection = select_conversations(source, tokenizer, args, stats)
         found = {split: len(convs) for split, convs in selection.items()}
