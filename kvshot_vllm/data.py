@@ -691,7 +691,7 @@ def prepare_data(
         long = long_prompts(source, tokenizer, args, stats)
         found = {split: len(prompts) for split, prompts in long.items()}
         what = f"prompts of about {args.long_prefix} tokens (standard-library modules and " \
-               f"histories)"
+               "histories)"
     else:
         selection = select_conversations(source, tokenizer, args, stats)
         found = {split: len(convs) for split, convs in selection.items()}
