@@ -344,7 +344,8 @@ multiview-study: data-scale data-long
 # full cache only; 480 steps of one sequence each (1.3 epochs). One: a batch runs the chain over
 # every row from its shortest prompt on, and at 4K the prompts of a batch of 4 differ by up to
 # ~1K tokens, most of them rows with no loss (a batch of 4: 34 s a step over its first steps,
-# 8.5 s a sequence; one at a time: 4.6 s over a whole run, Intel AMX). Then all three on the 4K and 7K buckets, full and at 128 and 256 tokens.
+# 8.5 s a sequence; one at a time: 4.6 s over a whole run, Intel AMX). Then all three on the
+# 4K and 7K buckets, full and at 128 and 256 tokens.
 LONG_STEPS = --steps 480 --batch-size 1 --checkpoint-every 40
 LONG_FINETUNE = nice -n 10 $(VENV)/bin/kvshot train --paradigm hidden \
   --init drafters/smollm2-135m-instruct/hidden --preset full $(LONG_STEPS) --lr 2.5e-4 \
