@@ -1,6 +1,7 @@
 """What a draft step costs as the prefix grows, with the full view of the target's KV and with a
-sparse budget (issue 15, item 4: cost side), on long real documents: the starts of Python
-standard-library modules at about 1K, 2K, 4K and 7K tokens, to be continued.
+sparse budget (issue 15, item 4), on long real documents: the starts of Python standard-library
+modules at about 1K, 2K, 4K and 7K tokens, to be continued, or with `--heldout` the held-out
+prompts of the long data sets (histories and modules no drafter trained on).
 
 For each configuration one engine runs every bucket (`step_profile.profile`, the same stages),
 timing decode steps: each prompt is prefilled first and then served from the prefix cache. The
@@ -20,7 +21,7 @@ draft-side cache each request holds for its prefix, and the target K/V a draft s
 
     python bench/long_context.py [--buckets 1024 2048 4096 7168] [--requests 2] [--budget 256]
         [--levels 1] [--max-tokens 32] [--trained NAME=DIR ...] [--configs NAME ...]
-        [--out bench/results/long_context]
+        [--heldout] [--out bench/results/long_context]
 """
 
 from __future__ import annotations
@@ -131,10 +132,33 @@ def check_cache_holds(target: Path, buckets: dict[str, list[list[int]]], max_tok
                          f"({space / 2**30:g} GiB): set it higher, or pass fewer --requests")
 
 
-def main() -> None:
+def bucket_prompts(target: Path, data_dir: Path, buckets: list[int], count: int,
+                   heldout: bool) -> dict[str, list[list[int]]]:
+    """Up to `count` prompts (token ids) per bucket: with `heldout`, the held-out records of the
+    long data sets (`kvshot data prepare --long B`: multi-turn histories and modules that no
+    drafter trained on, as an acceptance side needs); else the starts of standard-library
+    modules of either split, as many as the cost side wants."""
     from transformers import AutoTokenizer
 
-    from kvshot_vllm.data import long_document_prompts
+    from kvshot_vllm.data import long_document_prompts, read_records
+
+    if not heldout:
+        tok = AutoTokenizer.from_pretrained(target)
+        return {str(b): [s.prompt_token_ids for s in long_document_prompts(tok, b, count,
+                                                                          split=None)]
+                for b in buckets}
+    out = {}
+    for b in buckets:
+        records = read_records(data_dir / "datasets" / f"long-{b}" / "heldout.jsonl")
+        if not records:
+            raise SystemExit(f"--heldout: no held-out prompts at {data_dir}/datasets/long-{b}; "
+                             f"`kvshot data prepare --long {b}` writes them (`make data-long` "
+                             f"for its buckets)")
+        out[str(b)] = [r["prompt_token_ids"] for r in records[:count]]
+    return out
+
+
+def main() -> None:
     from kvshot_vllm.engine import configure_vllm_env, default_dtype
     from kvshot_vllm.harness import load_configs
     from kvshot_vllm.paths import resolve_data_dir
@@ -151,6 +175,10 @@ def main() -> None:
     ap.add_argument("--trained", nargs="+", default=[], metavar="NAME=DIR",
                     help="trained drafters to add, full view and budgeted")
     ap.add_argument("--configs", nargs="+", help="run only these configurations")
+    ap.add_argument("--heldout", action="store_true",
+                    help="prompts from the long data sets' held-out split (DATA_DIR/datasets/"
+                         "long-B), which no drafter trained on, for acceptance; default: "
+                         "module starts of either split, for cost")
     ap.add_argument("--out", default="bench/results/long_context")
     a = ap.parse_args()
     trained = dict(t.split("=", 1) for t in a.trained)
@@ -161,11 +189,7 @@ def main() -> None:
     configure_vllm_env(data_dir)
     dtype = default_dtype()
     target, _ = prepare_target(data_dir, dtype)
-    tok = AutoTokenizer.from_pretrained(target)
-    # prompts of either split: this measures cost, not acceptance
-    buckets = {str(b): [s.prompt_token_ids for s in long_document_prompts(tok, b, a.requests,
-                                                                          split=None)]
-               for b in a.buckets}
+    buckets = bucket_prompts(target, data_dir, a.buckets, a.requests, a.heldout)
     lengths = {b: sum(map(len, p)) / len(p) for b, p in buckets.items()}
     shipped = Path(__file__).parents[1] / "drafters/smollm2-135m-instruct/hidden"
     root = data_dir / "bench-drafters" / "long"
@@ -205,9 +229,12 @@ def main() -> None:
     mode = "eager" if some_run["engine"]["enforce_eager"] else "compiled"
     command = " ".join([*([f"VLLM_CPU_KVCACHE_SPACE={cache_space}"] if cache_space else []),
                         "python", *sys.argv])
+    source = ("held-out records of the long data sets" if a.heldout
+              else "starts of standard-library modules")
+    counts = " / ".join(str(len(p)) for p in buckets.values())
     lines = [f"Draft-step cost against prefix length on {target.name} ({dtype}), k = {a.k}, "
-             f"block size {BLOCK_SIZE}, {a.requests} prompts per bucket (starts of standard-"
-             f"library modules), {a.max_tokens} greedy tokens each, prefixes prefilled before "
+             f"block size {BLOCK_SIZE}, {counts} prompts per bucket ({source}), "
+             f"{a.max_tokens} greedy tokens each, prefixes prefilled before "
              f"they are timed (decode steps), {mode}. Untrained: {', '.join(untrained) or 'none'}"
              f"; trained: eagle3 (the shipped hidden-only drafter)"
              + "".join(f", {n} ({c})" for n, c in trained.items()) + ".",
