@@ -345,12 +345,13 @@ multiview-study: data-scale data-long
 # every row from its shortest prompt on, and at 4K the prompts of a batch of 4 differ by up to
 # ~1K tokens, most of them rows with no loss (a batch of 4: 34 s a step over its first steps,
 # 8.5 s a sequence; one at a time: 4.6 s over a whole run, Intel AMX). Then all three on the
-# 4K and 7K buckets, full and at 128 and 256 tokens.
+# 4K and 7K buckets, full and at 128 and 256 tokens, and on ShareGPT's held-out conversations
+# (what a fine-tune on long prefixes costs on the short ones the shipped drafter serves).
 LONG_STEPS = --steps 480 --batch-size 1 --checkpoint-every 40
 LONG_FINETUNE = nice -n 10 $(VENV)/bin/kvshot train --paradigm hidden \
   --init drafters/smollm2-135m-instruct/hidden --preset full $(LONG_STEPS) --lr 2.5e-4 \
   --target $(SCALE_TARGET) --dataset $(LONG_TRAIN) --forward-dtype bfloat16
-multiview-long-study: data-long data-long-train
+multiview-long-study: data-long data-long-train data-scale-8k
 	$(LONG_FINETUNE) --name hidden-long-full
 	$(LONG_FINETUNE) --multi-view --view-draft-cache --view-block-size 32 \
 	  --name hidden-multiview-long
@@ -362,6 +363,11 @@ multiview-long-study: data-long data-long-train
 	    --forward-dtype bfloat16 --dataset $(KVSHOT_DATA_DIR)/datasets/long-$$bucket \
 	    --out results/hidden-multiview-long-train-$$bucket || exit 1; \
 	done
+	$(VENV)/bin/kvshot diagnose hidden=drafters/smollm2-135m-instruct/hidden \
+	  full-long=$(KVSHOT_DATA_DIR)/runs/hidden-long-full/checkpoint \
+	  multi-view-long=$(KVSHOT_DATA_DIR)/runs/hidden-multiview-long/checkpoint \
+	  --target $(SCALE_TARGET) --forward-dtype bfloat16 --dataset $(SCALE8K_DATA) \
+	  --out results/hidden-multiview-long-train-sharegpt
 
 # Issue 16 on long sequences: memory-serving-study's adaptor (a 96-token view of the shipped
 # hidden-only drafter's own cache, 4 slots per left-out block of 32) distilled on
