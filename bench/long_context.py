@@ -258,11 +258,14 @@ def main() -> None:
                              f"{r['ms_per_token']:.2f} | {stage['target forward']:.2f} | "
                              f"{stage['drafter layers']:.2f} | {own / 2**10:.0f} KiB | "
                              f"{read / 2**10:.0f} KiB |")
-        growth = {name: by_level[level][str(a.buckets[-1])]["stage_ms_per_step"]["drafter layers"]
-                  / by_level[level][str(a.buckets[0])]["stage_ms_per_step"]["drafter layers"]
-                  for name, by_level in runs.items() if drafters[name] is not None}
-        lines += ["", f"Drafter layers, {a.buckets[-1]}-token bucket over {a.buckets[0]}: "
-                  + ", ".join(f"{n} {g:.2f}x" for n, g in growth.items()), ""]
+        lines.append("")
+        if len(a.buckets) > 1:
+            growth = {name: by_level[level][str(a.buckets[-1])]["stage_ms_per_step"]
+                      ["drafter layers"] / by_level[level][str(a.buckets[0])]
+                      ["stage_ms_per_step"]["drafter layers"]
+                      for name, by_level in runs.items() if drafters[name] is not None}
+            lines += [f"Drafter layers, {a.buckets[-1]}-token bucket over {a.buckets[0]}: "
+                      + ", ".join(f"{n} {g:.2f}x" for n, g in growth.items()), ""]
     out = Path(a.out)
     write_results(out, {"command": command, "k": a.k, "budget": a.budget,
                         "prefix_tokens": lengths, "runs": runs,
