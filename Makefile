@@ -347,7 +347,7 @@ multiview-study: data-scale data-long
 # every row from its shortest prompt on, and at 4K the prompts of a batch of 4 differ by up to
 # ~1K tokens, most of them rows with no loss (a batch of 4: 34 s a step over its first steps,
 # 8.5 s a sequence; one at a time: 4.6 s over a whole run, Intel AMX). Then all three on the
-# 4K and 7K buckets, full and at 128 and 256 tokens, and on ShareGPT's held-out conversations
+# 1K, 4K and 7K buckets, full and at 128 and 256 tokens, and on ShareGPT's held-out conversations
 # (what a fine-tune on long prefixes costs on the short ones the shipped drafter serves).
 LONG_STEPS = --steps 480 --batch-size 1 --checkpoint-every 40
 LONG_FINETUNE = nice -n 10 $(VENV)/bin/kvshot train --paradigm hidden \
@@ -357,7 +357,7 @@ multiview-long-study: data-long data-long-train data-scale-8k
 	$(LONG_FINETUNE) --name hidden-long-full
 	$(LONG_FINETUNE) --multi-view --view-draft-cache --view-block-size 32 \
 	  --name hidden-multiview-long
-	for bucket in 4096 7168; do \
+	for bucket in 1024 4096 7168; do \
 	  $(VENV)/bin/kvshot diagnose hidden=drafters/smollm2-135m-instruct/hidden \
 	    full-long=$(KVSHOT_DATA_DIR)/runs/hidden-long-full/checkpoint \
 	    multi-view-long=$(KVSHOT_DATA_DIR)/runs/hidden-multiview-long/checkpoint \
