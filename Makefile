@@ -314,8 +314,7 @@ memory-serving-study: data-scale data-long
 	for spec in $(LONG_BUCKETS); do \
 	  $(VENV)/bin/kvshot diagnose hidden=drafters/smollm2-135m-instruct/hidden \
 	    memory=$(MEMORY_HIDDEN) --kv-budgets 96+own 512+own 1024+own \
-	    --view-block-size 32 \
-	    --batch-size 1 --target $(SCALE_TARGET) --forward-dtype bfloat16 \
+	    --view-block-size 32 --batch-size 1 --target $(SCALE_TARGET) --forward-dtype bfloat16 \
 	    --dataset $(KVSHOT_DATA_DIR)/datasets/long-$${spec%:*} \
 	    --out results/memory-hidden-long-$${spec%:*} || exit 1; \
 	done
