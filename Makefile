@@ -7,7 +7,7 @@ export KVSHOT_DATA_DIR ?= $(CURDIR)/data
 .PHONY: setup demo test test-slow clean-data data-scale data-scale-8k train-scale data-long \
 	memory-study train-block-scale train-kv-scale train-hybrid-scale train-hidden-v3 \
 	train-hidden-v4 train-hidden-v5 train-kv-v2 train-kv-v3 train-kv-v4 soft-targets-study \
-	hybrid-1-study study-scale retrieval-study own-view-study \
+	hybrid-1-study study-scale retrieval-study own-view-study data-long-7k-deep \
 	memory-serving-study multiview-study data-long-train multiview-long-study memory-long-study
 
 setup: $(VENV)/.setup-done
@@ -260,6 +260,14 @@ data-long: setup
 	    --out $(KVSHOT_DATA_DIR)/datasets/long-$${spec%:*} || exit 1; \
 	done
 
+# The 7K bucket's 3 held-out prompts with 512 regenerated tokens each instead of 128: four times
+# the chains for a diagnosis at 7K (still 3 prompts, so the chains are not independent).
+data-long-7k-deep: setup
+	$(VENV)/bin/kvshot target prepare --dtype float32 --no-check
+	$(VENV)/bin/kvshot data prepare --long 7168 --num-prompts 1 --num-heldout 3 \
+	  --max-new-tokens 512 --chunk-size 4 --target $(SCALE_TARGET) \
+	  --out $(KVSHOT_DATA_DIR)/datasets/long-7168-r512
+
 # Long training sequences for issues 15 and 16 (BudgetDraft trains its views, and a memory learns
 # what distant blocks hold, on long prefixes; ShareGPT's 2-turn sets stop near 1K tokens):
 # 360 training prompts of about 4K tokens, 78 standard-library modules and 282 ShareGPT
@@ -346,17 +354,18 @@ multiview-study: data-scale data-long
 # every row from its shortest prompt on, and at 4K the prompts of a batch of 4 differ by up to
 # ~1K tokens, most of them rows with no loss (a batch of 4: 34 s a step over its first steps,
 # 8.5 s a sequence; one at a time: 4.6 s over a whole run, Intel AMX). Then all three on the
-# 1K, 4K and 7K buckets, full and at 128 and 256 tokens, and on ShareGPT's held-out conversations
-# (what a fine-tune on long prefixes costs on the short ones the shipped drafter serves).
+# 1K, 4K and 7K buckets (7K also with 512-token responses), full and at 128 and 256 tokens, and
+# on ShareGPT's held-out conversations (what a fine-tune on long prefixes costs on the short
+# ones the shipped drafter serves).
 LONG_STEPS = --steps 480 --batch-size 1 --checkpoint-every 40
 LONG_FINETUNE = nice -n 10 $(VENV)/bin/kvshot train --paradigm hidden \
   --init drafters/smollm2-135m-instruct/hidden --preset full $(LONG_STEPS) --lr 2.5e-4 \
   --target $(SCALE_TARGET) --dataset $(LONG_TRAIN) --forward-dtype bfloat16
-multiview-long-study: data-long data-long-train data-scale-8k
+multiview-long-study: data-long data-long-7k-deep data-long-train data-scale-8k
 	$(LONG_FINETUNE) --name hidden-long-full
 	$(LONG_FINETUNE) --multi-view --view-draft-cache --view-block-size 32 \
 	  --name hidden-multiview-long
-	for bucket in 1024 4096 7168; do \
+	for bucket in 1024 4096 7168 7168-r512; do \
 	  $(VENV)/bin/kvshot diagnose hidden=drafters/smollm2-135m-instruct/hidden \
 	    full-long=$(KVSHOT_DATA_DIR)/runs/hidden-long-full/checkpoint \
 	    multi-view-long=$(KVSHOT_DATA_DIR)/runs/hidden-multiview-long/checkpoint \
