@@ -384,13 +384,14 @@ multiview-long-study: data-long data-long-7k-deep data-long-train data-scale-8k
 # context, the fine-tune on long prefixes (multiview-long-study's full-long, which loses 11% of
 # its MAT at 4K with a 256-token view where the shipped drafter loses nothing), distilled from
 # that drafter's full view on data-long-train (one sequence a step, as above); then both on the
-# 4K and 7K buckets beside the streaming views of about the memory's bytes (96 and 512 tokens).
+# 4K and 7K buckets (7K also with 512-token responses) beside the streaming views of about the
+# memory's bytes (96 and 512 tokens).
 MEMORY_LONG = $(KVSHOT_DATA_DIR)/runs/memory-hidden-long/checkpoint
-memory-long-study: data-long data-long-train
+memory-long-study: data-long data-long-7k-deep data-long-train
 	$(LONG_FINETUNE) --name hidden-long-full
 	$(MEMORY_HIDDEN_TRAIN) --init $(KVSHOT_DATA_DIR)/runs/hidden-long-full/checkpoint \
 	  --dataset $(LONG_TRAIN) $(LONG_STEPS) --lr 2.5e-3 --name memory-hidden-long
-	for bucket in 4096 7168; do \
+	for bucket in 4096 7168 7168-r512; do \
 	  $(VENV)/bin/kvshot diagnose full-long=$(KVSHOT_DATA_DIR)/runs/hidden-long-full/checkpoint \
 	    memory-long=$(MEMORY_LONG) --kv-budgets 96+own 512+own --view-block-size 32 \
 	    --batch-size 1 --target $(SCALE_TARGET) --forward-dtype bfloat16 \
