@@ -361,23 +361,21 @@ LONG_STEPS = --steps 480 --batch-size 1 --checkpoint-every 40
 LONG_FINETUNE = nice -n 10 $(VENV)/bin/kvshot train --paradigm hidden \
   --init drafters/smollm2-135m-instruct/hidden --preset full $(LONG_STEPS) --lr 2.5e-4 \
   --target $(SCALE_TARGET) --dataset $(LONG_TRAIN) --forward-dtype bfloat16
+LONG_FULL = $(KVSHOT_DATA_DIR)/runs/hidden-long-full/checkpoint
+LONG_DRAFTERS = hidden=drafters/smollm2-135m-instruct/hidden full-long=$(LONG_FULL) \
+  multi-view-long=$(KVSHOT_DATA_DIR)/runs/hidden-multiview-long/checkpoint
 multiview-long-study: data-long data-long-7k-deep data-long-train data-scale-8k
 	$(LONG_FINETUNE) --name hidden-long-full
 	$(LONG_FINETUNE) --multi-view --view-draft-cache --view-block-size 32 \
 	  --name hidden-multiview-long
 	for bucket in 1024 4096 7168 7168-r512; do \
-	  $(VENV)/bin/kvshot diagnose hidden=drafters/smollm2-135m-instruct/hidden \
-	    full-long=$(KVSHOT_DATA_DIR)/runs/hidden-long-full/checkpoint \
-	    multi-view-long=$(KVSHOT_DATA_DIR)/runs/hidden-multiview-long/checkpoint \
-	    --kv-budgets 128+own 256+own --batch-size 1 --target $(SCALE_TARGET) \
-	    --forward-dtype bfloat16 --dataset $(KVSHOT_DATA_DIR)/datasets/long-$$bucket \
+	  $(VENV)/bin/kvshot diagnose $(LONG_DRAFTERS) --kv-budgets 128+own 256+own --batch-size 1 \
+	    --target $(SCALE_TARGET) --forward-dtype bfloat16 \
+	    --dataset $(KVSHOT_DATA_DIR)/datasets/long-$$bucket \
 	    --out results/hidden-multiview-long-train-$$bucket || exit 1; \
 	done
-	$(VENV)/bin/kvshot diagnose hidden=drafters/smollm2-135m-instruct/hidden \
-	  full-long=$(KVSHOT_DATA_DIR)/runs/hidden-long-full/checkpoint \
-	  multi-view-long=$(KVSHOT_DATA_DIR)/runs/hidden-multiview-long/checkpoint \
-	  --target $(SCALE_TARGET) --forward-dtype bfloat16 --dataset $(SCALE8K_DATA) \
-	  --out results/hidden-multiview-long-train-sharegpt
+	$(VENV)/bin/kvshot diagnose $(LONG_DRAFTERS) --target $(SCALE_TARGET) --forward-dtype bfloat16 \
+	  --dataset $(SCALE8K_DATA) --out results/hidden-multiview-long-train-sharegpt
 
 # Issue 16 on long sequences: memory-serving-study's adaptor (a 96-token view of a hidden-only
 # drafter's own cache, 4 slots per left-out block of 32) for the drafter that uses distant
@@ -389,10 +387,10 @@ multiview-long-study: data-long data-long-7k-deep data-long-train data-scale-8k
 MEMORY_LONG = $(KVSHOT_DATA_DIR)/runs/memory-hidden-long/checkpoint
 memory-long-study: data-long data-long-7k-deep data-long-train
 	$(LONG_FINETUNE) --name hidden-long-full
-	$(MEMORY_HIDDEN_TRAIN) --init $(KVSHOT_DATA_DIR)/runs/hidden-long-full/checkpoint \
+	$(MEMORY_HIDDEN_TRAIN) --init $(LONG_FULL) \
 	  --dataset $(LONG_TRAIN) $(LONG_STEPS) --lr 2.5e-3 --name memory-hidden-long
 	for bucket in 4096 7168 7168-r512; do \
-	  $(VENV)/bin/kvshot diagnose full-long=$(KVSHOT_DATA_DIR)/runs/hidden-long-full/checkpoint \
+	  $(VENV)/bin/kvshot diagnose full-long=$(LONG_FULL) \
 	    memory-long=$(MEMORY_LONG) --kv-budgets 96+own 512+own --view-block-size 32 \
 	    --batch-size 1 --target $(SCALE_TARGET) --forward-dtype bfloat16 \
 	    --dataset $(KVSHOT_DATA_DIR)/datasets/long-$$bucket \

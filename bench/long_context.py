@@ -260,9 +260,9 @@ def main() -> None:
                              f"{read / 2**10:.0f} KiB |")
         lines.append("")
         if len(a.buckets) > 1:
-            growth = {name: by_level[level][str(a.buckets[-1])]["stage_ms_per_step"]
-                      ["drafter layers"] / by_level[level][str(a.buckets[0])]
-                      ["stage_ms_per_step"]["drafter layers"]
+            first, last = str(a.buckets[0]), str(a.buckets[-1])
+            growth = {name: (by_level[level][last]["stage_ms_per_step"]["drafter layers"]
+                             / by_level[level][first]["stage_ms_per_step"]["drafter layers"])
                       for name, by_level in runs.items() if drafters[name] is not None}
             lines += [f"Drafter layers, {a.buckets[-1]}-token bucket over {a.buckets[0]}: "
                       + ", ".join(f"{n} {g:.2f}x" for n, g in growth.items()), ""]
