@@ -8,7 +8,8 @@ export KVSHOT_DATA_DIR ?= $(CURDIR)/data
 	memory-study train-block-scale train-kv-scale train-hybrid-scale train-hidden-v3 \
 	train-hidden-v4 train-hidden-v5 train-kv-v2 train-kv-v3 train-kv-v4 soft-targets-study \
 	hybrid-1-study study-scale retrieval-study own-view-study data-long-7k-deep \
-	memory-serving-study multiview-study data-long-train multiview-long-study memory-long-study
+	memory-serving-study multiview-study data-long-train multiview-long-study memory-long-study \
+	mixed-long-study
 
 setup: $(VENV)/.setup-done
 $(VENV)/.setup-done: pyproject.toml scripts/setup.sh
@@ -395,6 +396,31 @@ memory-long-study: data-long data-long-7k-deep data-long-train
 	    --batch-size 1 --target $(SCALE_TARGET) --forward-dtype bfloat16 \
 	    --dataset $(KVSHOT_DATA_DIR)/datasets/long-$$bucket \
 	    --out results/memory-hidden-long-train-$$bucket || exit 1; \
+	done
+
+# Long context without forgetting the short conversations: the shipped hidden-only drafter
+# fine-tuned as full-long is (one sequence a step, the same rate), but every other step is a
+# ShareGPT conversation of data-scale-8k's training split (`--mix 1 1`), 960 steps: the same 480
+# long sequences as full-long's. Then it beside the shipped drafter and full-long on ShareGPT's
+# held-out conversations (where full-long costs 1.5% of MAT) and on the long buckets (where it
+# gains up to 44% at 4K), full and at a 256-token view of its own cache.
+MIXED_LONG = $(KVSHOT_DATA_DIR)/runs/hidden-mixed-long/checkpoint
+MIXED_DRAFTERS = hidden=drafters/smollm2-135m-instruct/hidden full-long=$(LONG_FULL) \
+  mixed-long=$(MIXED_LONG)
+mixed-long-study: data-long data-long-7k-deep data-long-train data-scale-8k
+	$(LONG_FINETUNE) --name hidden-long-full
+	nice -n 10 $(VENV)/bin/kvshot train --paradigm hidden \
+	  --init drafters/smollm2-135m-instruct/hidden --preset full --steps 960 --batch-size 1 \
+	  --checkpoint-every 40 --lr 2.5e-4 --target $(SCALE_TARGET) \
+	  --dataset $(SCALE8K_DATA) $(LONG_TRAIN) --mix 1 1 --forward-dtype bfloat16 \
+	  --name hidden-mixed-long
+	$(VENV)/bin/kvshot diagnose $(MIXED_DRAFTERS) --target $(SCALE_TARGET) \
+	  --forward-dtype bfloat16 --dataset $(SCALE8K_DATA) --out results/hidden-mixed-long-sharegpt
+	for bucket in 1024 4096 7168-r512; do \
+	  $(VENV)/bin/kvshot diagnose $(MIXED_DRAFTERS) --kv-budgets 256+own --batch-size 1 \
+	    --target $(SCALE_TARGET) --forward-dtype bfloat16 \
+	    --dataset $(KVSHOT_DATA_DIR)/datasets/long-$$bucket \
+	    --out results/hidden-mixed-long-$$bucket || exit 1; \
 	done
 
 # Retrieval against streaming views of the target's cache (issue 15), offline, at equal budgets:

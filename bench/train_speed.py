@@ -33,7 +33,8 @@ from kvshot_vllm.paths import resolve_data_dir
 from kvshot_vllm.results import write_results
 from kvshot_vllm.target import target_dir
 from kvshot_vllm.training.pipeline import drafter_config, feature_spec, features_for, train_config
-from kvshot_vllm.training.ttt import Trainer, batch_order, ttt_loss
+from kvshot_vllm.training.schedule import batch_order
+from kvshot_vllm.training.ttt import Trainer, ttt_loss
 
 SETTINGS = {  # name -> TrainConfig overrides
     "fp32, every row, random batches": dict(autocast=False, loss_rows_only=False, bucket=1),

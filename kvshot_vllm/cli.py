@@ -149,12 +149,20 @@ def cmd_drafter_oracle(a: argparse.Namespace) -> None:
 def _training_inputs(a: argparse.Namespace) -> tuple[Path, Path, Path]:
     """(data dir, target, dataset): by default the float32 target (what vLLM runs on this CPU)
     and the data it regenerated."""
-    data_dir, target = _target_arg(a, dtype="float32")
-    dataset = Path(a.dataset) if a.dataset else data_dir / "datasets" / f"sharegpt-{target.name}"
-    if not (dataset / "train.jsonl").is_file():
-        raise KVShotError(f"no data set at {dataset}; run `kvshot data prepare --target "
-                          f"{target}` first")
+    data_dir, target, (dataset,) = _training_sets(a, [a.dataset] if a.dataset else None)
     return data_dir, target, dataset
+
+
+def _training_sets(a: argparse.Namespace, datasets: list[str] | None
+                   ) -> tuple[Path, Path, list[Path]]:
+    """(data dir, target, data sets), the sets checked; `_training_inputs`."""
+    data_dir, target = _target_arg(a, dtype="float32")
+    found = [Path(d) for d in datasets or [data_dir / "datasets" / f"sharegpt-{target.name}"]]
+    for dataset in found:
+        if not (dataset / "train.jsonl").is_file():
+            raise KVShotError(f"no data set at {dataset}; run `kvshot data prepare --target "
+                              f"{target}` first")
+    return data_dir, target, found
 
 
 def _default_device() -> str:
@@ -210,7 +218,10 @@ def cmd_train(a: argparse.Namespace) -> None:
                        snapshot_every=a.snapshot_every, multi_view=_multi_view(a),
                        objective=a.objective, train=a.train_only,
                        soft_targets=a.soft_targets)
-    data_dir, target, dataset = _training_inputs(a)
+    data_dir, target, datasets = _training_sets(a, a.dataset)
+    if a.mix is not None and len(a.mix) != len(datasets):
+        raise KVShotError(f"--mix takes one weight per --dataset: {len(datasets)} data sets, "
+                          f"{len(a.mix)} weights")
     linear = "-linear" if a.kv_projection == "linear" else ""
     name = a.name or f"{a.paradigm}-{a.num_layers}L{linear}-{a.preset}"
     run_dir = Path(a.out) if a.out else data_dir / "runs" / name
@@ -218,13 +229,13 @@ def cmd_train(a: argparse.Namespace) -> None:
     (run_dir / COMMAND_FILE).write_text(shlex.join(["kvshot", *sys.argv[1:]]) + "\n")
     device = a.device or _default_device()
     live = (a.features or ("cached" if device == "cpu" else "live")) == "live"
-    ckpt = train(data_dir, target, dataset, run_dir, cfg, init=Path(a.init) if a.init else None,
-                 forward_dtype=a.forward_dtype, device=device, live_features=live,
+    ckpt = train(data_dir, target, datasets, run_dir, cfg, init=Path(a.init) if a.init else None,
+                 forward_dtype=a.forward_dtype, device=device, live_features=live, mix=a.mix,
                  kv_budget=_kv_budget(a), **_drafter_options(a))
     print(f"checkpoint: {ckpt}")
     if a.memory:
-        print(f"diagnose: kvshot diagnose {ckpt} --dataset {dataset} (a compressed memory is "
-              f"not served yet)")
+        print(f"diagnose: kvshot diagnose {ckpt} --dataset {datasets[0]} (a compressed "
+              f"memory is not served yet)")
         return
     print(f"serve: vllm serve {target} --speculative-config "
           f"'{{\"method\": \"eagle3\", \"model\": \"{ckpt}\", \"num_speculative_tokens\": 3}}'")
@@ -279,13 +290,15 @@ def cmd_curve(a: argparse.Namespace) -> None:
     from kvshot_vllm.paths import resolve_data_dir
     from kvshot_vllm.training.curve import learning_curve, write_curve
     from kvshot_vllm.training.pipeline import feature_spec, features_for, sequence_limit
+    from kvshot_vllm.training.schedule import TrainingData
 
     run_dir = Path(a.run_dir)
     if not (run_dir / "run.json").is_file():
         raise KVShotError(f"no training run at {run_dir} (run.json missing)")
     run = json.loads((run_dir / "run.json").read_text())
     target = Path(run["target"])
-    trained_on = json.loads((Path(run["features"]) / "params.json").read_text())
+    # a mix's held-out split is its first data set's
+    trained_on = TrainingData.of_run(run).parts[0].params
     device = a.device or _default_device()
     dataset = Path(trained_on["dataset"])
     heldout = features_for(resolve_data_dir(a.data_dir), target, dataset, "heldout",
@@ -450,12 +463,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.set_defaults(func=cmd_drafter_oracle)
 
-    def training_inputs(p: argparse.ArgumentParser) -> None:
+    def training_inputs(p: argparse.ArgumentParser, several: bool = False) -> None:
         _add_data_dir(p)
         p.add_argument("--target", help="HF directory of the target (default: the prepared "
                        "float32 one)")
-        p.add_argument("--dataset", help="data set directory (default: "
-                       "DATA_DIR/datasets/sharegpt-TARGET)")
+        if several:
+            p.add_argument("--dataset", nargs="+", metavar="DIR",
+                           help="data set directories, trained on together (--mix; the "
+                           "first's held-out split is the one `kvshot curve` reads; default: "
+                           "DATA_DIR/datasets/sharegpt-TARGET)")
+            p.add_argument("--mix", nargs="+", type=float, metavar="WEIGHT",
+                           help="with several --dataset: each set's share of the steps, a "
+                           "step's batch all from one set (default: as many as it has "
+                           "sequences)")
+        else:
+            p.add_argument("--dataset", help="data set directory (default: "
+                           "DATA_DIR/datasets/sharegpt-TARGET)")
 
     def forward_dtype(p: argparse.ArgumentParser) -> None:
         p.add_argument("--forward-dtype", default="float32", choices=["float32", "bfloat16"],
@@ -469,7 +492,7 @@ def build_parser() -> argparse.ArgumentParser:
         "with 7-step TTT. Checkpoints every N steps; a rerun of the same command continues a "
         "killed run. Writes RUN_DIR/checkpoint (config.json + model.safetensors, served by "
         "vLLM), metrics.jsonl and state.pt.")
-    training_inputs(p)
+    training_inputs(p, several=True)
     forward_dtype(p)
     _add_drafter_options(p)
     p.add_argument("--preset", default="quick", help="quick (minutes, for tests and the demo) "

@@ -415,6 +415,38 @@ def test_shipped_drafter_carries_provenance_and_refuses_bad_files(data_dir, targ
     assert_one_line_error(proc, "no training run at")
 
 
+def test_training_on_a_mix_of_data_sets_records_each(data_dir, target_fp32, dataset,
+                                                     tmp_path) -> None:
+    """`kvshot train --dataset A B --mix 1 1`: half the steps from each set, whose features
+    run.json lists with the weights, and a shipped manifest that counts each set's steps and
+    the tokens of both."""
+    other = tmp_path / "other"
+    other.mkdir()
+    lines = (dataset / "train.jsonl").read_text().splitlines(keepends=True)
+    (other / "train.jsonl").write_text("".join(lines[:4]))
+    shutil.copy(dataset / "heldout.jsonl", other / "heldout.jsonl")
+    run = tmp_path / "run"
+    common = ["--paradigm", "hidden", "--steps", "4", "--batch-size", "2", "--target",
+              str(target_fp32), "--data-dir", str(data_dir), "--out", str(run), "--dataset",
+              str(dataset), str(other)]
+    assert_one_line_error(run_kvshot("train", *common, "--mix", "1"),
+                          "--mix takes one weight per --dataset: 2 data sets, 1 weights")
+    proc = run_kvshot("train", *common, "--mix", "1", "1")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    recorded = json.loads((run / "run.json").read_text())
+    assert recorded["mix"] == [1.0, 1.0] and len(recorded["features"]) == 2
+    parts = [FeatureSet(Path(p)) for p in recorded["features"]]
+    assert [len(p) for p in parts] == [6, 4]
+    proc = run_kvshot("ship", str(run), "--name", "mixed", "--out", str(tmp_path / "mixed"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    manifest = json.loads((tmp_path / "mixed" / "manifest.json").read_text())
+    sets = manifest["data"]["mix"]
+    assert [(s["dataset"], s["sequences"], s["steps"]) for s in sets] == [
+        (dataset.name, 6, 2), ("other", 4, 2)]
+    # each set's two batches of two are four of its sequences (6 // 2 batches an epoch)
+    assert manifest["budget"]["loss_tokens"] == 8 * NEW_TOKENS
+
+
 def _flip_last_byte(path: Path) -> bytes:
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF

@@ -4,6 +4,7 @@ what each row of a TTT chain may see, against hand-built references."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +14,9 @@ from kvshot_vllm.models.config import TargetSpec, validated
 from kvshot_vllm.models.drafter import Drafter, TargetFeatures
 from kvshot_vllm.models.layers import draft_attention
 from kvshot_vllm.models.weights import init_weights
-from kvshot_vllm.training.ttt import TrainConfig, batch_order, lr_at, shifted
+from kvshot_vllm.errors import KVShotError
+from kvshot_vllm.training.schedule import TrainingData, batch_order, mix_steps, trained_tokens
+from kvshot_vllm.training.ttt import TrainConfig, lr_at, shifted
 
 TINY = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=6,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=50,
@@ -151,6 +154,60 @@ def test_shifted_labels_and_schedule() -> None:
         if bucket == 1:
             random_spread = spread
     assert spread < random_spread / 2  # bucketed batches pad much less
+
+
+class _Lengths:
+    """A data set's features as the schedule sees them: lengths, prompts, and batches of
+    (part name, sequence indices)."""
+
+    def __init__(self, name: str, lengths: list[int]) -> None:
+        self.name, self.lengths = name, lengths
+        self.path, self.params = Path(name), {}
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def length(self, i: int) -> int:
+        return self.lengths[i]
+
+    def prompt_length(self, i: int) -> int:
+        return self.lengths[i] - 3
+
+    def batch(self, indices, kv_layers, uses_aux):
+        return self.name, indices, None
+
+
+def test_a_mix_draws_whole_batches_from_each_set_in_proportion() -> None:
+    """One set: exactly the batches a run trained before mixes existed (a resumed run goes on
+    as it began). Two sets at 3:1: every 4 steps three batches of the first and one of the
+    second, each set through its own epochs, and the tokens counted per set."""
+    cfg = TrainConfig(steps=64, batch_size=4)
+    short, long = _Lengths("short", [(7 * i) % 23 + 5 for i in range(48)]), _Lengths(
+        "long", [400 + i for i in range(8)])
+    one = TrainingData([short])
+    assert one.record() == {"features": str(Path("short").resolve())}
+    assert [one.batch(cfg, s, [], False)[1] for s in range(30)] == [
+        batch_order(short.lengths, cfg, s) for s in range(30)]
+    assert one.trained_tokens(cfg, 30) == trained_tokens(
+        short.lengths, [n - 3 for n in short.lengths], cfg, 30)
+
+    assert mix_steps([3, 1], 8) == [0, 0, 1, 0, 0, 0, 1, 0]
+    mix = TrainingData([short, long], [3, 1])
+    batches = [mix.batch(cfg, s, [], False) for s in range(48)]
+    assert all([b[0] for b in batches[s:s + 4]].count("long") == 1 for s in range(0, 48, 4))
+    firsts = [b[1] for b in batches if b[0] == "short"]
+    assert firsts == [batch_order(short.lengths, cfg, s) for s in range(36)]
+    longs = [i for b in batches if b[0] == "long" for i in b[1]]
+    assert sorted(longs[:8]) == sorted(longs[8:16]) == list(range(8))  # an epoch each 2 batches
+    assert mix.steps_per_part(48) == [36, 12]
+    assert mix.trained_tokens(cfg, 48) == {
+        "tokens": trained_tokens(short.lengths, [n - 3 for n in short.lengths], cfg, 36)[
+            "tokens"] + sum(long.lengths[i] for i in longs), "loss_tokens": 3 * 48 * 4}
+    assert mix.record()["mix"] == [3.0, 1.0]
+    # by default a set's share is its share of the sequences, as one set made of both
+    assert TrainingData([short, long]).steps_per_part(56) == [48, 8]
+    with pytest.raises(KVShotError, match="takes 2 positive weights"):
+        TrainingData([short, long], [1, 0])
 
 
 @pytest.mark.parametrize("reapply_rope", [True, False])
@@ -296,7 +353,6 @@ def test_curve_counts_the_tokens_of_a_shipped_drafter_it_started_from(tmp_path) 
     rather than undercounted."""
     import json
 
-    from kvshot_vllm.errors import KVShotError
     from kvshot_vllm.training.curve import shipped_budget
 
     budget = {"steps": 200, "batch_size": 8, "tokens": 672401, "loss_tokens": 341550}
@@ -343,7 +399,6 @@ def test_multi_view_loss_adds_the_sparse_views_divergence(paradigm: str, policy:
 
 
 def test_multi_view_draws_budgets_by_step() -> None:
-    from kvshot_vllm.errors import KVShotError
     from kvshot_vllm.training.pipeline import train_config
     from kvshot_vllm.training.ttt import MultiView
 

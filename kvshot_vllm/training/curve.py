@@ -13,8 +13,9 @@ from pathlib import Path
 from kvshot_vllm.errors import KVShotError
 from kvshot_vllm.models.files import MANIFEST
 from kvshot_vllm.training.diagnostics import stepwise_acceptance
-from kvshot_vllm.training.features import SplitFeatures, open_features
-from kvshot_vllm.training.ttt import TrainConfig, trained_tokens
+from kvshot_vllm.training.features import SplitFeatures
+from kvshot_vllm.training.schedule import TrainingData
+from kvshot_vllm.training.ttt import TrainConfig
 
 
 def snapshots(run_dir: Path) -> list[tuple[int, Path]]:
@@ -33,9 +34,8 @@ def run_tokens(run_dir: Path, step: int) -> dict[str, float]:
     run_dir = Path(run_dir)
     run = json.loads((run_dir / "run.json").read_text())
     cfg = TrainConfig.model_validate(run["train"])
-    train = open_features(Path(run["features"]))
-    own = trained_tokens([train.length(i) for i in range(len(train))],
-                         [train.prompt_length(i) for i in range(len(train))], cfg, step)
+    train = TrainingData.of_run(run)
+    own = train.trained_tokens(cfg, step)
     own["sequences"] = step * cfg.batch_size
     if run.get("init"):
         # runs from before init_budget was recorded: the init as it is now

@@ -13,6 +13,7 @@ from kvshot_vllm.models.config import DrafterConfig, default_layers, validated
 from kvshot_vllm.models.files import target_spec
 from kvshot_vllm.training.features import (FeatureSet, FeatureSpec, LiveFeatures,
                                            extract_features)
+from kvshot_vllm.training.schedule import TrainingData
 from kvshot_vllm.training.ttt import PRESETS, TrainConfig, Trainer
 
 # What the features hold by default: the aux layers EAGLE-3 fuses and every layer a default
@@ -79,16 +80,22 @@ def drafter_config(target_dir: Path, cfg: TrainConfig, init: Path | None = None,
     return validated({"target": target_spec(target_dir), "draft_vocab_size": vocab, **fields})
 
 
-def train(data_dir: Path, target_dir: Path, dataset: Path, run_dir: Path, cfg: TrainConfig,
-          init: Path | None = None, progress: bool = True, forward_dtype: str = "float32",
-          device: str = "cpu", live_features: bool = False, **options) -> Path:
+def train(data_dir: Path, target_dir: Path, datasets: list[Path], run_dir: Path,
+          cfg: TrainConfig, init: Path | None = None, progress: bool = True,
+          forward_dtype: str = "float32", device: str = "cpu", live_features: bool = False,
+          mix: list[float] | None = None, **options) -> Path:
+    """Train on the training split of one data set, or of several in the proportions `mix`
+    (`TrainingData`; default: as many steps from each as it has sequences)."""
     dcfg = drafter_config(target_dir, cfg, init, **options)
-    spec = feature_spec(target_dir, sorted(set(dcfg.kv_layers) | set(default_layers(
-        dcfg.target.num_layers, 3))), sequence_limit(dataset), forward_dtype=forward_dtype,
-        teacher_topk=cfg.soft_targets)
-    features = features_for(data_dir, target_dir, dataset, "train", spec, device,
-                            live=live_features)
-    trainer = Trainer(run_dir, dcfg, cfg, target_dir, features, init=init, device=device)
+    layers = sorted(set(dcfg.kv_layers) | set(default_layers(dcfg.target.num_layers, 3)))
+    parts = [features_for(data_dir, target_dir, dataset, "train",
+                          feature_spec(target_dir, layers, sequence_limit(dataset),
+                                       forward_dtype=forward_dtype,
+                                       teacher_topk=cfg.soft_targets),
+                          device, live=live_features)
+             for dataset in datasets]
+    trainer = Trainer(run_dir, dcfg, cfg, target_dir, TrainingData(parts, mix), init=init,
+                      device=device)
     if trainer.fresh is not None:
         # modules by their top name, a memory adaptor by its own (it may sit inside a layer)
         fresh = {n[: n.index(".memory.") + 7] if ".memory." in n else n.split(".")[0]
@@ -130,7 +137,7 @@ def run_study(data_dir: Path, target_dir: Path, dataset: Path, preset: str, out:
             if not (init / "config.json").is_file():
                 raise KVShotError(f"{name} warm-starts from {warm_from}: train it first")
         print(f"== {name}")
-        ckpts[name] = train(data_dir, target_dir, dataset, runs / name, cfg, init=init,
+        ckpts[name] = train(data_dir, target_dir, [dataset], runs / name, cfg, init=init,
                             forward_dtype=forward_dtype, **options)
     features = features_for(data_dir, target_dir, dataset, "heldout",
                             feature_spec(target_dir, forward_dtype=forward_dtype))

@@ -18,8 +18,9 @@ from kvshot_vllm.errors import KVShotError
 from kvshot_vllm.models.config import load_drafter_config
 from kvshot_vllm.models.files import MANIFEST, sha256_of, verify_checkpoint
 from kvshot_vllm.models.weights import save_checkpoint
-from kvshot_vllm.training.features import open_features
-from kvshot_vllm.training.ttt import METRICS_LOG, TrainConfig, trained_tokens
+from kvshot_vllm.training.features import SplitFeatures
+from kvshot_vllm.training.schedule import TrainingData
+from kvshot_vllm.training.ttt import METRICS_LOG, TrainConfig
 
 # A run directory's record of the command that trained it (`kvshot train` writes it).
 COMMAND_FILE = "command.txt"
@@ -38,30 +39,38 @@ def provenance(run_dir: Path) -> dict:
     if not metrics or metrics[-1]["step"] != cfg.steps:
         raise KVShotError(f"{run_dir} has not finished its {cfg.steps} steps; rerun its "
                           f"`kvshot train` command first")
-    features = open_features(Path(run["features"]))
-    lengths = [features.length(i) for i in range(len(features))]
-    prompt_lens = [features.prompt_length(i) for i in range(len(features))]
-    dataset = Path(features.params["dataset"])
-    data_manifest = dataset / "manifest.json"
-    data = json.loads(data_manifest.read_text()) if data_manifest.is_file() else {}
+    training = TrainingData.of_run(run)
+    sets = [_data_record(part) for part in training.parts]
+    if len(sets) > 1:
+        for record, weight, steps in zip(sets, training.weights,
+                                         training.steps_per_part(cfg.steps)):
+            record.update(weight=weight, steps=steps)
     command = run_dir / COMMAND_FILE
     return {
         "command": command.read_text().strip() if command.is_file() else None,
-        "data": {"dataset": dataset.name, "params": data.get("params"),
-                 "engine": data.get("engine"),
-                 "train": (data.get("splits") or {}).get("train"),
-                 "features": {k: features.params[k] for k in ("forward_dtype", "dtype",
-                                                              "max_len") if k in features.params},
-                 "sequences": len(features)},
+        # one data set's record, or a mix's: its sets', each with its weight and steps
+        "data": sets[0] if len(sets) == 1 else {"mix": sets},
         "budget": {"steps": cfg.steps, "batch_size": cfg.batch_size, "lr": cfg.lr,
                    "ttt_steps": cfg.ttt_steps, "draft_vocab_size": cfg.draft_vocab_size,
-                   **trained_tokens(lengths, prompt_lens, cfg, cfg.steps),
+                   **training.trained_tokens(cfg, cfg.steps),
                    "train_s": round(metrics[-1]["s_per_step"] * cfg.steps, 1),
                    # the warm start's budget included; what `kvshot curve` reads
                    "total": _total_budget(run_dir, cfg.steps)},
         "seed": cfg.seed,
         "init": run.get("init"),
     }
+
+
+def _data_record(features: SplitFeatures) -> dict:
+    """A training data set as a manifest records it: how it was made, and its features."""
+    dataset = Path(features.params["dataset"])
+    data_manifest = dataset / "manifest.json"
+    data = json.loads(data_manifest.read_text()) if data_manifest.is_file() else {}
+    return {"dataset": dataset.name, "params": data.get("params"),
+            "engine": data.get("engine"), "train": (data.get("splits") or {}).get("train"),
+            "features": {k: features.params[k] for k in ("forward_dtype", "dtype", "max_len")
+                         if k in features.params},
+            "sequences": len(features)}
 
 
 def _total_budget(run_dir: Path, steps: int) -> dict[str, int] | None:

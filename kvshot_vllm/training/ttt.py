@@ -35,6 +35,7 @@ from kvshot_vllm.models.config import DrafterConfig, validated
 from kvshot_vllm.models.drafter import Drafter, TargetFeatures, build_drafter
 from kvshot_vllm.models.weights import save_checkpoint
 from kvshot_vllm.training.features import SplitFeatures
+from kvshot_vllm.training.schedule import TrainingData
 
 # one line per log interval in a run directory (and in a drafter `kvshot ship` made of it)
 METRICS_LOG = "metrics.jsonl"
@@ -264,7 +265,8 @@ def chain_kl(student: list, teacher: list[torch.Tensor], cfg: TrainConfig) -> to
 # ----------------------------------------------------------------------------- vocabulary
 
 
-def draft_vocabulary(features: SplitFeatures, size: int, vocab_size: int) -> torch.Tensor:
+def draft_vocabulary(features: SplitFeatures | TrainingData, size: int, vocab_size: int
+                     ) -> torch.Tensor:
     """EAGLE-3's reduced vocabulary: the `size` tokens the target emits most often in the
     training responses, as d2t [size] (draft i -> target i + d2t[i])."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
@@ -312,41 +314,6 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
-def epoch_batches(lengths: list[int], cfg: TrainConfig, epoch: int) -> list[list[int]]:
-    """The batches of one epoch, in training order: a seeded permutation cut into groups of
-    `cfg.bucket` batches; within a group the sequences are sorted by length before they are cut
-    into batches (a batch pads to its longest), and the epoch's batches are shuffled again."""
-    n, size = len(lengths), cfg.batch_size
-    per_epoch = max(1, n // size)
-    g = torch.Generator().manual_seed(cfg.seed * 100003 + epoch)
-    perm = torch.randperm(n, generator=g).tolist()
-    group = cfg.bucket * size
-    order = [i for s in range(0, n, group)
-             for i in sorted(perm[s:s + group], key=lambda i: lengths[i])]
-    batches = [order[b * size:(b + 1) * size] for b in range(per_epoch)]
-    return [batches[b] for b in torch.randperm(per_epoch, generator=g).tolist()]
-
-
-def batch_order(lengths: list[int], cfg: TrainConfig, step: int) -> list[int]:
-    """The sequences of optimizer step `step`, a pure function of the step, so that a resumed
-    run sees exactly the batches an uninterrupted one would (`epoch_batches`)."""
-    epoch, k = divmod(step, max(1, len(lengths) // cfg.batch_size))
-    return epoch_batches(lengths, cfg, epoch)[k]
-
-
-def trained_tokens(lengths: list[int], prompt_lens: list[int], cfg: TrainConfig,
-                   steps: int) -> dict[str, int]:
-    """Tokens of the sequences that steps 0..steps-1 train on, and of their scored (response)
-    positions: a function of the schedule alone, so a resumed run counts what an uninterrupted
-    one does."""
-    per_epoch = max(1, len(lengths) // cfg.batch_size)
-    seqs = [i for epoch in range(-(-steps // per_epoch))
-            for b in epoch_batches(lengths, cfg, epoch)[: steps - epoch * per_epoch]
-            for i in b]
-    return {"tokens": sum(lengths[i] for i in seqs),
-            "loss_tokens": sum(lengths[i] - prompt_lens[i] for i in seqs)}
-
-
 def warm_start(drafter: Drafter, checkpoint: Path) -> list[str]:
     """Copy every tensor of `checkpoint` whose name and shape match (EAGLE-3 / speculators
     names, `midlayer.` read as `layers.0.`); returns the names left fresh."""
@@ -378,11 +345,12 @@ def warm_start(drafter: Drafter, checkpoint: Path) -> list[str]:
 
 class Trainer:
     def __init__(self, run_dir: Path, drafter_cfg: DrafterConfig, cfg: TrainConfig,
-                 target_dir: Path, features: SplitFeatures, init: Path | None = None,
-                 device: str = "cpu") -> None:
-        self.run_dir, self.cfg, self.features = Path(run_dir), cfg, features
+                 target_dir: Path, data: SplitFeatures | TrainingData,
+                 init: Path | None = None, device: str = "cpu") -> None:
+        self.run_dir, self.cfg = Path(run_dir), cfg
+        self.data = data if isinstance(data, TrainingData) else TrainingData([data])
         self.device = torch.device(device)
-        features.check_layers(drafter_cfg.aux_layers, drafter_cfg.kv_layers,
+        self.data.check_layers(drafter_cfg.aux_layers, drafter_cfg.kv_layers,
                               drafter_cfg.uses_aux_hidden)
         if cfg.multi_view and not (drafter_cfg.spec.reads_target_kv or cfg.multi_view.draft_cache):
             raise KVShotError(f"multi-view training: a {drafter_cfg.paradigm} drafter reads no "
@@ -394,10 +362,11 @@ class Trainer:
         if cfg.multi_view and cfg.multi_view.draft_cache:  # a view the drafter can be served with
             validated({**drafter_cfg.model_dump(), "kv_budget": cfg.multi_view.draw(0, 0)},
                       "multi-view")
-        if cfg.soft_targets > features.params.get("teacher_topk", 0):
+        if cfg.soft_targets > self.data.teacher_topk:
             raise KVShotError(f"soft targets over the top {cfg.soft_targets} tokens need "
-                              f"features that hold them; {features.path} holds "
-                              f"{features.params.get('teacher_topk', 0)}")
+                              f"features that hold them; "
+                              f"{', '.join(str(p.path) for p in self.data.parts)} hold "
+                              f"{self.data.teacher_topk}")
         has_memory = drafter_cfg.kv_budget is not None and drafter_cfg.kv_budget.memory
         if cfg.train == "memory" and not has_memory:
             raise KVShotError("train 'memory': the drafter has no memory adaptor to train (give "
@@ -407,7 +376,7 @@ class Trainer:
                               "start it from a trained checkpoint (--init)")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         run = {"drafter": drafter_cfg.model_dump(mode="json"), "train": cfg.model_dump(),
-               "features": str(features.path.resolve()), "target": str(Path(target_dir).resolve()),
+               **self.data.record(), "target": str(Path(target_dir).resolve()),
                "init": str(init) if init else None}
         run_file = self.run_dir / "run.json"
         if run_file.exists():
@@ -457,7 +426,7 @@ class Trainer:
         if cfg.draft_vocab_size == cfg.target.vocab_size:
             weights["lm_head.weight"] = head
         else:
-            d2t = draft_vocabulary(self.features, cfg.draft_vocab_size, cfg.target.vocab_size)
+            d2t = draft_vocabulary(self.data, cfg.draft_vocab_size, cfg.target.vocab_size)
             weights["d2t"] = d2t
             weights["lm_head.weight"] = head[d2t + torch.arange(cfg.draft_vocab_size)]
         return weights
@@ -508,16 +477,14 @@ class Trainer:
         previous = signal.signal(signal.SIGTERM, lambda s, f: stop.update(signal=s))
         window: list[tuple[float, list[float], dict[str, float]]] = []
         start, first_step = time.perf_counter(), self.step
-        lengths = [self.features.length(i) for i in range(len(self.features))]
         bar = tqdm(total=cfg.steps, initial=self.step, desc=f"train {self.drafter.cfg.paradigm}",
                    unit="step", disable=not progress)
         try:
             while self.step < cfg.steps and stop["signal"] is None:
                 for group in self.opt.param_groups:
                     group["lr"] = lr_at(self.step, cfg)
-                feats, labels, trainable = self.features.batch(
-                    batch_order(lengths, cfg, self.step), self.drafter.cfg.kv_layers,
-                    self.drafter.cfg.uses_aux_hidden)
+                feats, labels, trainable = self.data.batch(
+                    cfg, self.step, self.drafter.cfg.kv_layers, self.drafter.cfg.uses_aux_hidden)
                 feats, labels, trainable = (feats.to(self.device), labels.to(self.device),
                                             trainable.to(self.device))
                 with torch.autocast(self.device.type, dtype=torch.bfloat16,
