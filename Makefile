@@ -88,6 +88,8 @@ SHIPPED_COMMIT_kv-v2 = 6f34b91
 SHIPPED_COMMIT_hybrid-v2 = 4277072
 HIDDEN_V1 = $(KVSHOT_DATA_DIR)/drafters/hidden-v1
 HIDDEN_V2 = $(KVSHOT_DATA_DIR)/drafters/hidden-v2
+# the fourth hidden-only version, which the long-context and memory studies below started from
+# and compare against ("the shipped drafter" in their notes), before the fifth replaced it
 HIDDEN_V4 = $(KVSHOT_DATA_DIR)/drafters/hidden-v4
 KV_V1 = $(KVSHOT_DATA_DIR)/drafters/kv-v1
 # the shipped hybrid's second version (three target layers read), which the studies of the
@@ -317,11 +319,11 @@ MEMORY_HIDDEN_TRAIN = $(VENV)/bin/kvshot train --paradigm hidden --kv-budget 96 
   --view-block-size 32 --view-draft-cache --memory 32:4 --memory-caches draft \
   --train-only memory --objective distill --preset full --steps 120 --batch-size 4 --lr 5e-3 \
   --checkpoint-every 10 --target $(SCALE_TARGET) --forward-dtype bfloat16
-memory-serving-study: data-scale data-long
-	$(MEMORY_HIDDEN_TRAIN) --init drafters/smollm2-135m-instruct/hidden --dataset $(SCALE_DATA) \
+memory-serving-study: data-scale data-long $(HIDDEN_V4)/manifest.json
+	$(MEMORY_HIDDEN_TRAIN) --init $(HIDDEN_V4) --dataset $(SCALE_DATA) \
 	  --name memory-hidden-distill
 	for spec in $(LONG_BUCKETS); do \
-	  $(VENV)/bin/kvshot diagnose hidden=drafters/smollm2-135m-instruct/hidden \
+	  $(VENV)/bin/kvshot diagnose hidden=$(HIDDEN_V4) \
 	    memory=$(MEMORY_HIDDEN) --kv-budgets 96+own 512+own 1024+own \
 	    --view-block-size 32 --batch-size 1 --target $(SCALE_TARGET) --forward-dtype bfloat16 \
 	    --dataset $(KVSHOT_DATA_DIR)/datasets/long-$${spec%:*} \
@@ -334,14 +336,14 @@ memory-serving-study: data-scale data-long
 # sequences; then it and the shipped drafter (trained on the full cache only) are diagnosed on
 # the 4K and 7K buckets, full and at 128 and 256 tokens.
 MULTIVIEW_HIDDEN = $(KVSHOT_DATA_DIR)/runs/hidden-multiview/checkpoint
-multiview-study: data-scale data-long
-	$(VENV)/bin/kvshot train --paradigm hidden --init drafters/smollm2-135m-instruct/hidden \
+multiview-study: data-scale data-long $(HIDDEN_V4)/manifest.json
+	$(VENV)/bin/kvshot train --paradigm hidden --init $(HIDDEN_V4) \
 	  --multi-view 96:0.4 128:0.3 256:0.3 --view-draft-cache --view-block-size 32 \
 	  --preset full --steps 120 --batch-size 4 --lr 5e-4 --checkpoint-every 10 \
 	  --target $(SCALE_TARGET) --dataset $(SCALE_DATA) --forward-dtype bfloat16 \
 	  --name hidden-multiview
 	for bucket in 4096 7168; do \
-	  $(VENV)/bin/kvshot diagnose hidden=drafters/smollm2-135m-instruct/hidden \
+	  $(VENV)/bin/kvshot diagnose hidden=$(HIDDEN_V4) \
 	    multi-view=$(MULTIVIEW_HIDDEN) --kv-budgets 128+own 256+own --batch-size 1 \
 	    --target $(SCALE_TARGET) --forward-dtype bfloat16 \
 	    --dataset $(KVSHOT_DATA_DIR)/datasets/long-$$bucket \
@@ -360,12 +362,12 @@ multiview-study: data-scale data-long
 # ones the shipped drafter serves).
 LONG_STEPS = --steps 480 --batch-size 1 --checkpoint-every 40
 LONG_FINETUNE = nice -n 10 $(VENV)/bin/kvshot train --paradigm hidden \
-  --init drafters/smollm2-135m-instruct/hidden --preset full $(LONG_STEPS) --lr 2.5e-4 \
+  --init $(HIDDEN_V4) --preset full $(LONG_STEPS) --lr 2.5e-4 \
   --target $(SCALE_TARGET) --dataset $(LONG_TRAIN) --forward-dtype bfloat16
 LONG_FULL = $(KVSHOT_DATA_DIR)/runs/hidden-long-full/checkpoint
-LONG_DRAFTERS = hidden=drafters/smollm2-135m-instruct/hidden full-long=$(LONG_FULL) \
+LONG_DRAFTERS = hidden=$(HIDDEN_V4) full-long=$(LONG_FULL) \
   multi-view-long=$(KVSHOT_DATA_DIR)/runs/hidden-multiview-long/checkpoint
-multiview-long-study: data-long data-long-7k-deep data-long-train data-scale-8k
+multiview-long-study: data-long data-long-7k-deep data-long-train data-scale-8k $(HIDDEN_V4)/manifest.json
 	$(LONG_FINETUNE) --name hidden-long-full
 	$(LONG_FINETUNE) --multi-view --view-draft-cache --view-block-size 32 \
 	  --name hidden-multiview-long
@@ -386,7 +388,7 @@ multiview-long-study: data-long data-long-7k-deep data-long-train data-scale-8k
 # 4K and 7K buckets (7K also with 512-token responses) beside the streaming views of about the
 # memory's bytes (96 and 512 tokens).
 MEMORY_LONG = $(KVSHOT_DATA_DIR)/runs/memory-hidden-long/checkpoint
-memory-long-study: data-long data-long-7k-deep data-long-train
+memory-long-study: data-long data-long-7k-deep data-long-train $(HIDDEN_V4)/manifest.json
 	$(LONG_FINETUNE) --name hidden-long-full
 	$(MEMORY_HIDDEN_TRAIN) --init $(LONG_FULL) \
 	  --dataset $(LONG_TRAIN) $(LONG_STEPS) --lr 2.5e-3 --name memory-hidden-long
@@ -398,19 +400,19 @@ memory-long-study: data-long data-long-7k-deep data-long-train
 	    --out results/memory-hidden-long-train-$$bucket || exit 1; \
 	done
 
-# Long context without forgetting the short conversations: the shipped hidden-only drafter
-# fine-tuned as full-long is (one sequence a step, the same rate), but every other step is a
+# Long context without forgetting the short conversations: the hidden-only drafter's fourth
+# version fine-tuned as full-long is (one sequence a step, the same rate), but every other step is a
 # ShareGPT conversation of data-scale-8k's training split (`--mix 1 1`), 960 steps: the same 480
-# long sequences as full-long's. Then it beside the shipped drafter and full-long on ShareGPT's
+# long sequences as full-long's. Then it beside that version and full-long on ShareGPT's
 # held-out conversations (where full-long costs 1.5% of MAT) and on the long buckets (where it
 # gains up to 44% at 4K), full and at a 256-token view of its own cache.
 MIXED_LONG = $(KVSHOT_DATA_DIR)/runs/hidden-mixed-long/checkpoint
-MIXED_DRAFTERS = hidden=drafters/smollm2-135m-instruct/hidden full-long=$(LONG_FULL) \
+MIXED_DRAFTERS = hidden=$(HIDDEN_V4) full-long=$(LONG_FULL) \
   mixed-long=$(MIXED_LONG)
-mixed-long-study: data-long data-long-7k-deep data-long-train data-scale-8k
+mixed-long-study: data-long data-long-7k-deep data-long-train data-scale-8k $(HIDDEN_V4)/manifest.json
 	$(LONG_FINETUNE) --name hidden-long-full
 	nice -n 10 $(VENV)/bin/kvshot train --paradigm hidden \
-	  --init drafters/smollm2-135m-instruct/hidden --preset full --steps 960 --batch-size 1 \
+	  --init $(HIDDEN_V4) --preset full --steps 960 --batch-size 1 \
 	  --checkpoint-every 40 --lr 2.5e-4 --target $(SCALE_TARGET) \
 	  --dataset $(SCALE8K_DATA) $(LONG_TRAIN) --mix 1 1 --forward-dtype bfloat16 \
 	  --name hidden-mixed-long
@@ -438,9 +440,9 @@ retrieval-study: data-long $(HYBRID_V2)/manifest.json
 # Issue 15: the shipped hidden-only drafter (stock EAGLE-3's layer, trained on the full cache)
 # with a streaming view of its own cache, its only view (BudgetDraft's setting), on each
 # long-context bucket.
-own-view-study: data-long
+own-view-study: data-long $(HIDDEN_V4)/manifest.json
 	for spec in $(LONG_BUCKETS); do \
-	  $(VENV)/bin/kvshot diagnose hidden=drafters/smollm2-135m-instruct/hidden \
+	  $(VENV)/bin/kvshot diagnose hidden=$(HIDDEN_V4) \
 	    --kv-budgets 128+own 256+own --batch-size 1 --target $(SCALE_TARGET) \
 	    --forward-dtype bfloat16 --dataset $(KVSHOT_DATA_DIR)/datasets/long-$${spec%:*} \
 	    --out results/hidden-own-view-long-$${spec%:*} || exit 1; \
