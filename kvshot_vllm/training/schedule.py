@@ -87,6 +87,7 @@ class TrainingData:
                               f"weights, got {list(weights)}")
         self.parts, self.weights = list(parts), [float(w) for w in weights]
         self.lengths = [[p.length(i) for i in range(len(p))] for p in self.parts]
+        self._mix: list[int] = []  # mix_steps, as far as asked for (a prefix of any longer one)
 
     @classmethod
     def of_run(cls, run: dict) -> "TrainingData":
@@ -115,14 +116,19 @@ class TrainingData:
         for part in self.parts:
             yield from part.response_labels()
 
+    def _mix_steps(self, steps: int) -> list[int]:
+        if len(self._mix) < steps:
+            self._mix = mix_steps(self.weights, max(steps, 2 * len(self._mix)))
+        return self._mix[:steps]
+
     def steps_per_part(self, steps: int) -> list[int]:
-        order = mix_steps(self.weights, steps)
+        order = self._mix_steps(steps)
         return [order.count(i) for i in range(len(self.parts))]
 
     def batch(self, cfg: TrainConfig, step: int, kv_layers: list[int], uses_aux: bool
               ) -> tuple[TargetFeatures, torch.Tensor, torch.Tensor]:
         """Step `step`'s batch (`SplitFeatures.batch`): its set's next one."""
-        order = mix_steps(self.weights, step + 1)
+        order = self._mix_steps(step + 1)
         i = order[-1]
         part_step = order.count(i) - 1
         return self.parts[i].batch(batch_order(self.lengths[i], cfg, part_step), kv_layers,
