@@ -425,6 +425,33 @@ def test_features_of_a_long_data_set_hold_its_sequences_whole(tmp_path) -> None:
     assert sequence_limit(tmp_path) == MAX_LEN
 
 
+def test_hard_cross_entropy_leaves_out_the_rows_outside_the_draft_vocabulary() -> None:
+    """The hard cross-entropy of bf16 logits is the fp32 one over the rows whose target the
+    draft vocabulary holds; the other rows get no gradient, and with none left there is no
+    loss."""
+    from kvshot_vllm.training.ttt import hard_cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    t2d = torch.full((300,), -1)
+    t2d[torch.randperm(300, generator=g)[:256]] = torch.arange(256)  # draft vocab 256
+    target = torch.randint(0, 300, (64,), generator=g)
+    inside = t2d[target] >= 0
+    assert 0 < int(inside.sum()) < 64
+    logits = (3 * torch.randn(64, 256, generator=g)).bfloat16()
+
+    ref_logits = logits.float().requires_grad_()
+    ref = torch.nn.functional.cross_entropy(ref_logits[inside], t2d[target][inside])
+    ref.backward()
+    bf16_logits = logits.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = hard_cross_entropy(bf16_logits, target, t2d)
+    loss.backward()
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(bf16_logits.grad, ref_logits.grad.bfloat16())
+    assert not bf16_logits.grad[~inside].any()
+    assert hard_cross_entropy(logits[~inside], target[~inside], t2d) is None
+
+
 def test_soft_targets_are_the_targets_distribution_seen_by_the_draft_vocabulary() -> None:
     """Soft cross-entropy is the KL divergence from the target's top-K distribution,
     renormalised over the tokens the draft vocabulary holds, plus that distribution's entropy;
