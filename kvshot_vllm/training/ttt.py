@@ -18,13 +18,12 @@ A run directory holds:
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import signal
 import time
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -223,18 +222,6 @@ def ttt_loss(drafter: Drafter, feats: TargetFeatures, labels: torch.Tensor,
     return loss + cfg.multi_view.weight * chain_kl(sparse, full, cfg), accs
 
 
-def outside_cpu_autocast(loss: Callable[..., torch.Tensor | None]
-                         ) -> Callable[..., torch.Tensor | None]:
-    """A loss over logits that it upcasts itself, run with CPU autocast off: under it torch's
-    log_softmax of the same fp32 input ran several times slower (bench/loss_head_speed.py)."""
-    @functools.wraps(loss)
-    def run(*args, **kwargs):
-        with torch.autocast("cpu", enabled=False):
-            return loss(*args, **kwargs)
-    return run
-
-
-@outside_cpu_autocast
 def hard_cross_entropy(logits: torch.Tensor, target: torch.Tensor, t2d: torch.Tensor
                        ) -> torch.Tensor | None:
     """Cross-entropy of draft logits [N, draft vocab] against the target's tokens [N] that are
@@ -244,10 +231,10 @@ def hard_cross_entropy(logits: torch.Tensor, target: torch.Tensor, t2d: torch.Te
     draft_label = t2d[target]  # -1: not in the draft vocabulary
     if not (draft_label >= 0).any():
         return None
-    return F.cross_entropy(logits.float(), draft_label, ignore_index=-1)
+    with torch.autocast(logits.device.type, enabled=False):
+        return F.cross_entropy(logits.float(), draft_label, ignore_index=-1)
 
 
-@outside_cpu_autocast
 def soft_cross_entropy(logits: torch.Tensor, teacher_ids: torch.Tensor,
                        teacher_logits: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor | None:
     """Cross-entropy of draft logits [N, draft vocab] against the target's distribution, known
@@ -266,7 +253,6 @@ def soft_cross_entropy(logits: torch.Tensor, teacher_ids: torch.Tensor,
     return -(probs * log_q).sum(-1).mean()
 
 
-@outside_cpu_autocast
 def chain_kl(student: list, teacher: list[torch.Tensor], cfg: TrainConfig) -> torch.Tensor:
     """Step-weighted KL divergence of a chain's draft distributions (`chain_predictions`) from
     the teacher's logits of the same rows, no gradient through the teacher; averaged over the
