@@ -4,12 +4,12 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 export KVSHOT_DATA_DIR ?= $(CURDIR)/data
 
-.PHONY: setup demo test test-slow clean-data data-scale data-scale-8k data-scale-all train-scale data-long \
-	memory-study train-block-scale train-kv-scale train-hybrid-scale train-hidden-v3 \
-	train-hidden-v4 train-hidden-v5 train-hidden-v6 train-kv-v2 train-kv-v3 train-kv-v4 soft-targets-study \
-	hybrid-1-study study-scale retrieval-study own-view-study data-long-7k-deep \
-	memory-serving-study multiview-study data-long-train multiview-long-study memory-long-study \
-	mixed-long-study
+.PHONY: setup demo test test-slow clean-data data-scale data-scale-8k data-scale-all \
+	train-scale data-long memory-study train-block-scale train-kv-scale train-hybrid-scale \
+	train-hidden-v3 train-hidden-v4 train-hidden-v5 train-hidden-v6 train-kv-v2 train-kv-v3 \
+	train-kv-v4 soft-targets-study hybrid-1-study study-scale retrieval-study own-view-study \
+	data-long-7k-deep memory-serving-study multiview-study data-long-train multiview-long-study \
+	memory-long-study mixed-long-study
 
 setup: $(VENV)/.setup-done
 $(VENV)/.setup-done: pyproject.toml scripts/setup.sh
