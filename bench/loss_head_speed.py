@@ -65,9 +65,7 @@ def main() -> int:
     target = target_dir(data_dir, "float32")
     features = features_for(data_dir, target, Path(a.dataset), a.split, feature_spec(target))
     drafter = load_drafter(DRAFTER, target)
-    vd = drafter.lm_head.weight.shape[0]
-    t2d = torch.full((drafter.cfg.target.vocab_size,), -1, dtype=torch.long)
-    t2d[drafter.target_ids(torch.arange(vd))] = torch.arange(vd)
+    t2d = drafter.draft_ids()
 
     batch = list(range(min(a.batch, len(features))))
     feats, labels, trainable = features.batch(batch, drafter.cfg.kv_layers,
@@ -105,7 +103,7 @@ def main() -> int:
     lines = [f"Command: `{command}`", "",
              f"The shipped hidden-only drafter's {STEPS}-step chain over {len(batch)} sequences "
              f"of {Path(a.dataset).name} ({a.split}): {rows} scored rows over the {STEPS} steps, "
-             f"draft vocabulary {vd}, bf16 autocast, {torch.get_num_threads()} threads. "
+             f"draft vocabulary {drafter.cfg.draft_vocab_size}, bf16 autocast, {torch.get_num_threads()} threads. "
              f"Milliseconds per training step for lm_head, hits and cross-entropy, forward and "
              f"backward: median of {a.repeats} interleaved repeats. Same losses and hits.", "",
              "| loss head | ms per step | vs before |", "|---|---|---|"]

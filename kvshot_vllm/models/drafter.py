@@ -425,6 +425,16 @@ class Drafter(nn.Module):
     def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
+    def draft_ids(self) -> torch.Tensor:
+        """[target vocab]: each target token's draft id, -1 where the draft vocabulary lacks
+        it (`target_ids` inverted)."""
+        vd = self.cfg.draft_vocab_size
+        t2d = torch.full((self.cfg.target.vocab_size,), -1, dtype=torch.long,
+                         device=self.d2t.device)
+        t2d[self.target_ids(torch.arange(vd, device=self.d2t.device))] = torch.arange(
+            vd, device=self.d2t.device)
+        return t2d
+
     def checkpoint_weights(self) -> dict[str, torch.Tensor]:
         """Tensors under the checkpoint names of `expected_shapes`."""
         weights = {n: p.detach().cpu() for n, p in self.named_parameters()

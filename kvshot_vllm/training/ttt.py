@@ -397,9 +397,7 @@ class Trainer:
         self.drafter = build_drafter(drafter_cfg, target_dir)
         self.drafter.load_checkpoint_weights(self._fresh_weights(target_dir))
         self.fresh = warm_start(self.drafter, init) if init else None
-        vd = drafter_cfg.draft_vocab_size
-        self.t2d = torch.full((drafter_cfg.target.vocab_size,), -1, dtype=torch.long)
-        self.t2d[self.drafter.target_ids(torch.arange(vd))] = torch.arange(vd)
+        self.t2d = self.drafter.draft_ids()
         # The run's state is device-free (state.pt loads anywhere): a run may resume on another.
         self.drafter.to(self.device)
         self.t2d = self.t2d.to(self.device)
