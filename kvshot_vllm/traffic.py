@@ -229,7 +229,12 @@ def logprobs_ok(req: ChatRequest, entries: list | None, tokens: int | None) -> b
     return len(entries) == tokens and all(len(e.top_logprobs) == 2 for e in entries)
 
 
-async def send_malformed(session: Any, base_url: str, bad: Malformed) -> Outcome:
+async def send_malformed(session: Any, base_url: str, bad: Malformed, tries: int = 2
+                         ) -> Outcome:
+    """`session` opens a fresh connection for every request (`force_close`): a pooled one that
+    the server's keep-alive timeout closes just as it is reused fails before the server reads
+    a byte. A connection error is still retried once, since it says nothing about how the
+    server answers bad input; a second one is reported."""
     start = time.perf_counter()
     expected = "completed" if bad.accepted else "rejected"
     try:
@@ -237,6 +242,8 @@ async def send_malformed(session: Any, base_url: str, bad: Malformed) -> Outcome
                                 headers={"Content-Type": "application/json"}) as r:
             text = await r.text()
     except OSError as exc:
+        if tries > 1:
+            return await send_malformed(session, base_url, bad, tries - 1)
         return Outcome(bad.name, "malformed", "error", time.perf_counter() - start,
                        message=f"{type(exc).__name__}: {exc}", expected=expected)
     status = "rejected" if 400 <= r.status < 500 else "completed" if r.status == 200 else "error"
@@ -266,7 +273,9 @@ async def drive(base_url: str, requests: list[ChatRequest], malformed: list[Malf
     client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0,
                                 timeout=timeout_s)
     every = max(1, len(requests) // max(1, len(malformed)))
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+    fresh = aiohttp.TCPConnector(force_close=True)  # see send_malformed
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120),
+                                     connector=fresh) as session:
         async def one(i: int, req: ChatRequest) -> list[Outcome]:
             async with gate:
                 out = [await send(client, req)]
