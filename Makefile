@@ -251,17 +251,19 @@ train-hidden-v5: data-scale-8k $(HIDDEN_V4)/manifest.json
 # The hidden-only drafter's sixth version: one pass over data-scale-all's set (every training
 # record, in steps of 8: the 8k set's again and the new conversations and later turns) from the
 # fifth, restored from git, with a fresh cosine schedule, as the fifth came from the fourth.
-# Features first (under DATA_DIR, shards shared with the 8k set's where they hold the same
-# sequences), then the training; both resume where a kill left them: rerun the same command.
-# Then diagnosed and served beside the fifth on the new set's held-out split, which holds the
-# 8k set's held-out conversations with their later turns.
+# The features are computed as batches ask (--features live), not cached: one pass reads each
+# sequence once, so a cache saves no forward, and at 5,768 bytes a token this set's cache would
+# take more disk than these machines hold free (an extraction checks that before it starts).
+# The training resumes where a kill left it: rerun the same command. Then diagnosed and served beside the fifth on the
+# new set's held-out split, which holds the 8k set's held-out conversations with their later
+# turns.
 HIDDEN_V5 = $(KVSHOT_DATA_DIR)/drafters/hidden-v5
 HIDDEN_V6_RUN = $(KVSHOT_DATA_DIR)/runs/scale-all-hidden-v6
 train-hidden-v6: data-scale-all $(HIDDEN_V5)/manifest.json
 	nice -n 10 $(VENV)/bin/kvshot train --paradigm hidden --init $(HIDDEN_V5) --preset full \
 	  --steps $$(( $$(wc -l < $(SCALE_ALL_DATA)/train.jsonl) / 8 )) --target $(SCALE_TARGET) \
-	  --dataset $(SCALE_ALL_DATA) --forward-dtype bfloat16 --snapshot-every 160 \
-	  --out $(HIDDEN_V6_RUN)
+	  --dataset $(SCALE_ALL_DATA) --forward-dtype bfloat16 --features live \
+	  --snapshot-every 160 --out $(HIDDEN_V6_RUN)
 	$(VENV)/bin/kvshot diagnose hidden-v5=$(HIDDEN_V5) hidden-v6=$(HIDDEN_V6_RUN)/checkpoint \
 	  --target $(SCALE_TARGET) --dataset $(SCALE_ALL_DATA) --forward-dtype bfloat16 \
 	  --out results/hidden-v6

@@ -17,9 +17,11 @@ from safetensors.torch import load_file
 
 from kvshot_vllm.errors import KVShotError
 from kvshot_vllm.models.drafter import load_drafter
+from kvshot_vllm.models.files import target_spec
 from kvshot_vllm.models.oracle import build_oracle
 from kvshot_vllm.training.diagnostics import stepwise_acceptance, training_stats
-from kvshot_vllm.training.features import FeatureSet, FeatureSpec, extract_features
+from kvshot_vllm.training.features import (FeatureSet, FeatureSpec, bytes_per_token, check_room,
+                                           extract_features)
 from kvshot_vllm.training.pipeline import drafter_config, feature_spec, features_for
 from kvshot_vllm.training.ttt import Trainer, TrainConfig, ttt_loss, warm_start
 from tests.conftest import KVSHOT, assert_one_line_error, run_kvshot
@@ -80,6 +82,13 @@ def test_features_equal_what_the_target_caches(target_fp32, dataset, tmp_path) -
     assert (item["teacher_ids"] == top.indices.int()).float().mean() > 0.99
     torch.testing.assert_close(item["teacher_logits"].sort(-1).values,
                                top.values.sort(-1).values, **close)
+    # what the disk check before an extraction counts: the shards' bytes, less their headers,
+    # offsets and prompt lengths
+    manifest = json.loads((fs.path / "manifest.json").read_text())
+    overhead = manifest["bytes"] - bytes_per_token(spec, target_spec(target_fp32)) * fs.num_tokens
+    assert 0 <= overhead < 4096 * manifest["shards"], overhead
+    with pytest.raises(KVShotError, match="--features live"):
+        check_room(tmp_path, shutil.disk_usage(tmp_path).free + 10**12)
 
 
 def test_batched_extraction_equals_one_sequence_at_a_time(target_fp32, dataset) -> None:

@@ -31,7 +31,9 @@ import torch
 
 from kvshot_vllm.data import read_records
 from kvshot_vllm.errors import KVShotError
+from kvshot_vllm.models.config import TargetSpec
 from kvshot_vllm.models.drafter import TargetFeatures
+from kvshot_vllm.models.files import target_spec
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -56,6 +58,25 @@ class FeatureSpec:
         forward = "" if self.forward_dtype == "float32" else f"-fwd-{self.forward_dtype}"
         teacher = f"-top{self.teacher_topk}" if self.teacher_topk else ""
         return f"{split}-aux{aux}-kv{kv}-len{self.max_len}-{self.dtype}{forward}{teacher}"
+
+
+def bytes_per_token(spec: FeatureSpec, target: TargetSpec) -> int:
+    """What one token's features take in a shard: the aux hidden states, K and V of each KV
+    layer, the label and the token id (int32), and the teacher's top K ids and logits."""
+    size = DTYPES[spec.dtype].itemsize
+    kv = 2 * target.num_kv_heads * target.head_dim * size
+    return (len(spec.aux_layers) * target.hidden_size * size + len(spec.kv_layers) * kv + 4 + 4
+            + spec.teacher_topk * (4 + size))
+
+
+def check_room(out: Path, need: int) -> None:
+    """Refuse an extraction that would fill the disk hours in, before it starts."""
+    free = shutil.disk_usage(out).free
+    if need > free:
+        raise KVShotError(
+            f"the features to extract into {out} need about {need / 1e9:.1f} GB and its disk has "
+            f"{free / 1e9:.1f} GB free; free some, or have the training compute them as batches "
+            f"ask (`kvshot train --features live`), which stores nothing")
 
 
 def sequences(dataset_dir: Path, split: str, max_len: int) -> list[tuple[str, list[int], int]]:
@@ -191,6 +212,8 @@ def extract_features(target_dir: Path, dataset_dir: Path, split: str, out_root: 
             shutil.copyfile(donor, tmp)
         tmp.rename(out / f"shard-{i:05d}.safetensors")
     todo = [i for i in todo if i not in found]
+    check_room(out, bytes_per_token(spec, target_spec(target_dir))
+               * sum(len(ids) for i in todo for _, ids, _ in shards[i]))
     linked = sum(len(shards[i]) for i in found)
     model = None
     tokens, start = 0, time.perf_counter()
