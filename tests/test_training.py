@@ -194,6 +194,12 @@ def test_live_features_equal_cached_ones(target_fp32, dataset, train_features,
     assert proc.returncode == 0, proc.stderr[-2000:]
     manifest = json.loads((tmp_path / "kv" / "manifest.json").read_text())
     assert manifest["data"]["sequences"] == 6 and manifest["budget"]["loss_tokens"] > 0
+    # A warm start brings its draft vocabulary, so none is chosen from the data: with live
+    # features that would be a target forward over the whole set. The target is not loaded.
+    unread = open_features(live.path)
+    warm = _trainer(tmp_path / "live-warm", target_fp32, unread, "kv", init=run / "checkpoint")
+    assert unread._model is None
+    assert torch.equal(warm.drafter.d2t, load_drafter(run / "checkpoint", target_fp32).d2t)
 
 
 def test_oracle_is_accepted_offline(data_dir, target_fp32, dataset, tmp_path) -> None:

@@ -67,6 +67,22 @@ def _target_tensor(target_dir: Path, names: tuple[str, ...]) -> torch.Tensor:
     raise KVShotError(f"none of {', '.join(names)} in the safetensors of {target_dir}")
 
 
+def checkpoint_files(checkpoint: Path) -> list[Path]:
+    """The safetensors of a checkpoint: the file itself, or those of its directory."""
+    path = Path(checkpoint)
+    return [path] if path.is_file() else sorted(path.glob("*.safetensors"))
+
+
+def has_tensor(checkpoint: Path, name: str) -> bool:
+    from safetensors import safe_open
+
+    for f in checkpoint_files(checkpoint):
+        with safe_open(f, "pt") as st:
+            if name in st.keys():
+                return True
+    return False
+
+
 def target_lm_head(target_dir: Path) -> torch.Tensor:
     """The target's output embedding (tied to the input embedding in SmolLM2)."""
     return _target_tensor(target_dir, ("lm_head.weight", "model.embed_tokens.weight"))

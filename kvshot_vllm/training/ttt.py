@@ -33,6 +33,7 @@ from kvshot_vllm.errors import KVShotError
 from kvshot_vllm.models.budget import KVBudget
 from kvshot_vllm.models.config import DrafterConfig, validated
 from kvshot_vllm.models.drafter import Drafter, TargetFeatures, build_drafter
+from kvshot_vllm.models.files import checkpoint_files, has_tensor
 from kvshot_vllm.models.weights import save_checkpoint
 from kvshot_vllm.training.features import SplitFeatures
 from kvshot_vllm.training.schedule import TrainingData
@@ -322,8 +323,7 @@ def warm_start(drafter: Drafter, checkpoint: Path) -> list[str]:
     names, `midlayer.` read as `layers.0.`); returns the names left fresh."""
     from safetensors.torch import load_file
 
-    path = Path(checkpoint)
-    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
+    files = checkpoint_files(checkpoint)
     if not files:
         raise KVShotError(f"no safetensors weights at {checkpoint}")
     src: dict[str, torch.Tensor] = {}
@@ -394,8 +394,11 @@ class Trainer:
         run_file.write_text(json.dumps(run, indent=2))
 
         torch.manual_seed(cfg.seed)
+        self.state_file = self.run_dir / "state.pt"
         self.drafter = build_drafter(drafter_cfg, target_dir)
-        self.drafter.load_checkpoint_weights(self._fresh_weights(target_dir))
+        vocabulary_given = self.state_file.exists() or (init is not None
+                                                         and has_tensor(init, "d2t"))
+        self.drafter.load_checkpoint_weights(self._fresh_weights(target_dir, vocabulary_given))
         self.fresh = warm_start(self.drafter, init) if init else None
         self.t2d = self.drafter.draft_ids()
         # The run's state is device-free (state.pt loads anywhere): a run may resume on another.
@@ -407,7 +410,6 @@ class Trainer:
         self.opt = torch.optim.AdamW([p for p in self.drafter.parameters() if p.requires_grad],
                                      lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.step = 0
-        self.state_file = self.run_dir / "state.pt"
         if self.state_file.exists():
             state = torch.load(self.state_file, weights_only=True, map_location=self.device)
             self.drafter.load_state_dict(state["model"])
@@ -415,9 +417,12 @@ class Trainer:
             self.step = state["step"]
             self._drop_metrics_after(self.step)
 
-    def _fresh_weights(self, target_dir: Path) -> dict[str, torch.Tensor]:
+    def _fresh_weights(self, target_dir: Path, vocabulary_given: bool
+                       ) -> dict[str, torch.Tensor]:
         """Random layers; lm_head = the target's rows of the draft vocabulary, which is chosen
-        from the training data."""
+        from the training data, unless the warm start or the run's saved state brings its own
+        (`vocabulary_given`): choosing reads every training label, with live features a target
+        forward over the whole set, only to be overwritten. Then the first rows stand in."""
         from kvshot_vllm.models.files import target_lm_head
         from kvshot_vllm.models.weights import init_weights
 
@@ -427,7 +432,8 @@ class Trainer:
         if cfg.draft_vocab_size == cfg.target.vocab_size:
             weights["lm_head.weight"] = head
         else:
-            d2t = draft_vocabulary(self.data, cfg.draft_vocab_size, cfg.target.vocab_size)
+            d2t = torch.zeros(cfg.draft_vocab_size, dtype=torch.long) if vocabulary_given else \
+                draft_vocabulary(self.data, cfg.draft_vocab_size, cfg.target.vocab_size)
             weights["d2t"] = d2t
             weights["lm_head.weight"] = head[d2t + torch.arange(cfg.draft_vocab_size)]
         return weights
