@@ -94,21 +94,35 @@ def sequences(dataset_dir: Path, split: str, max_len: int) -> list[tuple[str, li
 
 
 @torch.inference_mode()
-def batched_forward(model, ids: torch.Tensor, spec: FeatureSpec) -> dict[str, torch.Tensor]:
+def batched_forward(model, ids: torch.Tensor, spec: FeatureSpec,
+                    label_rows: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """The features of right-padded sequences ids [B, T], on the model's device, in
     `spec.dtype`: labels [B, T], aux [B, T, A * hidden], k.L / v.L [B, KVH, T, d], and with
     `spec.teacher_topk` K teacher_ids / teacher_logits [B, T, K]. No attention mask is needed: a
-    causal row never sees the padding after it."""
+    causal row never sees the padding after it.
+
+    With `label_rows` [B, T] (bool) the labels and the teacher are computed at those positions
+    only, zero elsewhere: the output head over 49,152 tokens, and its fp32 copy, would be
+    thrown away at every other position, and in multi-turn data most positions are prompt."""
     dtype = DTYPES[spec.dtype]
-    out = model(ids.to(model.device), output_hidden_states=True, use_cache=True)
-    logits = out.logits.float()
+    out = model.get_decoder()(ids.to(model.device), output_hidden_states=True, use_cache=True)
+    last = out.last_hidden_state
+    rows = (torch.ones(ids.shape, dtype=torch.bool) if label_rows is None
+            else label_rows).to(last.device)
+    logits = model.get_output_embeddings()(last[rows]).float()  # [rows, vocab]
+
+    def scattered(values: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        full = torch.zeros(*ids.shape, *values.shape[1:], dtype=out_dtype, device=last.device)
+        full[rows] = values.to(out_dtype)
+        return full
+
     # hidden_states[L] is the input of layer L, which is what vLLM collects as aux layer L.
-    feats = {"labels": logits.argmax(-1).to(torch.int32),
+    feats = {"labels": scattered(logits.argmax(-1), torch.int32),
              "aux": torch.cat([out.hidden_states[i] for i in spec.aux_layers], -1).to(dtype)}
     if spec.teacher_topk:
         top = logits.topk(spec.teacher_topk, dim=-1)
-        feats["teacher_ids"] = top.indices.to(torch.int32)
-        feats["teacher_logits"] = top.values.to(dtype)
+        feats["teacher_ids"] = scattered(top.indices, torch.int32)
+        feats["teacher_logits"] = scattered(top.values, dtype)
     cache = out.past_key_values
     for layer in spec.kv_layers:
         feats[f"k.{layer}"] = cache.layers[layer].keys.to(dtype)
@@ -473,6 +487,15 @@ class LiveFeatures(SplitFeatures):
         ids = right_padded([self.seqs[i][1] for i in indices])
         return ids, torch.arange(ids.shape[1]) < lengths[:, None]
 
+    def inputs(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(ids, valid, trainable) [B, T] of the right-padded sequences, on the CPU; trainable
+        as in `FeatureSet.batch`."""
+        ids, valid = self._padded(indices)
+        trainable = torch.zeros_like(valid)
+        for r, i in enumerate(indices):
+            trainable[r, self.prompt_length(i) - 1:self.length(i) - 1] = True
+        return ids, valid, trainable
+
     def response_labels(self) -> Iterator[torch.Tensor]:
         order = sorted(range(len(self)), key=self.length)
         for start in range(0, len(order), self.BATCH):
@@ -486,11 +509,9 @@ class LiveFeatures(SplitFeatures):
               ) -> tuple[TargetFeatures, torch.Tensor, torch.Tensor]:
         """As `FeatureSet.batch`, on the device: past each sequence's end everything is zero,
         as in a batch of cached features."""
-        ids, valid = self._padded(indices)
-        trainable = torch.zeros_like(valid)
-        for r, i in enumerate(indices):
-            trainable[r, self.prompt_length(i) - 1:self.length(i) - 1] = True
-        feats = batched_forward(self.model, ids, self.spec)
+        ids, valid, trainable = self.inputs(indices)
+        # the chain's draft steps read labels (and the teacher) where `trainable` marks them
+        feats = batched_forward(self.model, ids, self.spec, label_rows=trainable)
         ids, valid, trainable = (t.to(self.device) for t in (ids, valid, trainable))
         aux = feats["aux"].float() * valid[..., None] if uses_aux else None
         kv_valid = valid[:, None, :, None]

@@ -400,10 +400,8 @@ class Trainer:
                                                          and has_tensor(init, "d2t"))
         self.drafter.load_checkpoint_weights(self._fresh_weights(target_dir, vocabulary_given))
         self.fresh = warm_start(self.drafter, init) if init else None
-        self.t2d = self.drafter.draft_ids()
         # The run's state is device-free (state.pt loads anywhere): a run may resume on another.
         self.drafter.to(self.device)
-        self.t2d = self.t2d.to(self.device)
         if cfg.train == "memory":
             for name, p in self.drafter.named_parameters():
                 p.requires_grad_(".memory." in f".{name}")
@@ -416,6 +414,8 @@ class Trainer:
             self.opt.load_state_dict(state["optimizer"])
             self.step = state["step"]
             self._drop_metrics_after(self.step)
+        # after the state: a resumed run's vocabulary is the one it saved
+        self.t2d = self.drafter.draft_ids().to(self.device)
 
     def _fresh_weights(self, target_dir: Path, vocabulary_given: bool
                        ) -> dict[str, torch.Tensor]:
