@@ -6,10 +6,10 @@ the output head over every position against over the trained positions only
                                         [--out bench/results/live_features_speed]
 
 The batches are `--batches` of the `full` preset's (8 sequences from length buckets), spread
-evenly over one pass of the set, run by the bf16 target that the scale runs use; the two settings alternate batch by batch, `--rounds`
-times, so that machine noise hits both alike. Per batch: the median time of each over the
-rounds. Also checked: the labels at the trained positions agree (a rare bf16 near-tie may flip:
-the head runs over another number of rows).
+evenly over one pass of the set, run by the bf16 target that the scale runs use; the two
+settings alternate batch by batch, `--rounds` times, so that machine noise hits both alike. Per
+batch: the median time of each over the rounds. Also checked: the labels at the trained
+positions agree (a rare bf16 near-tie may flip: the head runs over another number of rows).
 """
 
 from __future__ import annotations

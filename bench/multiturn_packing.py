@@ -8,10 +8,11 @@ prompt the conversation so far with the target's own earlier replies. So turn t'
 prefix, which live features run for every batch, is repeated once per later turn. One sequence
 per conversation with a loss over each of its replies (what speculators and EAGLE train on)
 would run the forward once. This counts, over the training split, the tokens of the records
-against the tokens of such chains: a record joins its predecessor's chain when its prompt
-starts with the predecessor's prompt and reply token for token, else it starts a new chain
-(not every one does: a reply cut at max_new_tokens gets an end-of-turn token in the next
-prompt, and a reply's text may tokenize otherwise there). The replies, hence the loss tokens, are the same either way. Nothing is timed.
+against the tokens of such chains: a record joins its predecessor's chain when its prompt starts
+with the predecessor's prompt and reply token for token, else it starts a new chain (not every
+one does: a reply cut at max_new_tokens gets an end-of-turn token in the next prompt, and a
+reply's text may tokenize otherwise there). The replies, hence the loss tokens, are the same
+either way. Nothing is timed.
 """
 
 from __future__ import annotations

@@ -54,33 +54,32 @@ def target_spec(target_dir: Path) -> TargetSpec:
     return TargetSpec.from_hf_config(AutoConfig.from_pretrained(target_dir), Path(target_dir).name)
 
 
-def _target_tensor(target_dir: Path, names: tuple[str, ...]) -> torch.Tensor:
-    """The first of `names` found in the target's safetensors files."""
-    from safetensors import safe_open
-
-    files = sorted(Path(target_dir).glob("*.safetensors"))
-    for name in names:
-        for f in files:
-            with safe_open(f, "pt") as st:
-                if name in st.keys():
-                    return st.get_tensor(name)
-    raise KVShotError(f"none of {', '.join(names)} in the safetensors of {target_dir}")
-
-
 def checkpoint_files(checkpoint: Path) -> list[Path]:
     """The safetensors of a checkpoint: the file itself, or those of its directory."""
     path = Path(checkpoint)
     return [path] if path.is_file() else sorted(path.glob("*.safetensors"))
 
 
-def has_tensor(checkpoint: Path, name: str) -> bool:
+def tensor_file(checkpoint: Path, name: str) -> Path | None:
+    """The safetensors file of `checkpoint` (a file, or a directory of them) holding `name`."""
     from safetensors import safe_open
 
     for f in checkpoint_files(checkpoint):
         with safe_open(f, "pt") as st:
             if name in st.keys():
-                return True
-    return False
+                return f
+    return None
+
+
+def _target_tensor(target_dir: Path, names: tuple[str, ...]) -> torch.Tensor:
+    """The first of `names` found in the target's safetensors files."""
+    from safetensors import safe_open
+
+    for name in names:
+        if (f := tensor_file(target_dir, name)) is not None:
+            with safe_open(f, "pt") as st:
+                return st.get_tensor(name)
+    raise KVShotError(f"none of {', '.join(names)} in the safetensors of {target_dir}")
 
 
 def target_lm_head(target_dir: Path) -> torch.Tensor:

@@ -33,7 +33,7 @@ from kvshot_vllm.errors import KVShotError
 from kvshot_vllm.models.budget import KVBudget
 from kvshot_vllm.models.config import DrafterConfig, validated
 from kvshot_vllm.models.drafter import Drafter, TargetFeatures, build_drafter
-from kvshot_vllm.models.files import checkpoint_files, has_tensor
+from kvshot_vllm.models.files import checkpoint_files, tensor_file
 from kvshot_vllm.models.weights import save_checkpoint
 from kvshot_vllm.training.features import SplitFeatures
 from kvshot_vllm.training.schedule import TrainingData
@@ -396,8 +396,8 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.state_file = self.run_dir / "state.pt"
         self.drafter = build_drafter(drafter_cfg, target_dir)
-        vocabulary_given = self.state_file.exists() or (init is not None
-                                                         and has_tensor(init, "d2t"))
+        vocabulary_given = self.state_file.exists() or (
+            init is not None and tensor_file(init, "d2t") is not None)
         self.drafter.load_checkpoint_weights(self._fresh_weights(target_dir, vocabulary_given))
         self.fresh = warm_start(self.drafter, init) if init else None
         # The run's state is device-free (state.pt loads anywhere): a run may resume on another.
