@@ -266,7 +266,7 @@ train-hidden-v6: data-scale-all $(HIDDEN_V5)/manifest.json
 	  --snapshot-every 160 --out $(HIDDEN_V6_RUN)
 	$(VENV)/bin/kvshot diagnose hidden-v5=$(HIDDEN_V5) hidden-v6=$(HIDDEN_V6_RUN)/checkpoint \
 	  --target $(SCALE_TARGET) --dataset $(SCALE_ALL_DATA) --forward-dtype bfloat16 \
-	  --out results/hidden-v6
+	  --served-k 3 --out results/hidden-v6
 	$(VENV)/bin/kvshot curve $(HIDDEN_V6_RUN) --out results/curve-hidden-v6
 	$(SERVED_VERSIONS) --configs none ngram hidden-v5 hidden-v6 \
 	  --model hidden-v5=$(HIDDEN_V5) --model hidden-v6=$(HIDDEN_V6_RUN)/checkpoint \

@@ -274,13 +274,15 @@ def cmd_diagnose(a: argparse.Namespace) -> None:
                  for own in (False, True) for t, o, policy in budgets if o == own]
     except ValidationError as exc:
         raise KVShotError("--kv-budgets: " + first_validation_error(exc)[1]) from None
+    if a.served_k < 0:
+        raise KVShotError(f"--served-k takes a number of draft tokens (0: none), got {a.served_k}")
     data_dir, target, dataset = _training_inputs(a)
     ckpts = _named_checkpoints(a.checkpoints)
     features = features_for(data_dir, target, dataset, "heldout",
                             feature_spec(target, max_len=sequence_limit(dataset),
                                          forward_dtype=a.forward_dtype))
     results = diagnose(ckpts, target, features, steps=a.steps, views=views,
-                       batch_size=a.batch_size)
+                       batch_size=a.batch_size, served_k=a.served_k)
     write_report(results, Path(a.out), "kvshot diagnose " + " ".join(sys.argv[2:]))
 
 
@@ -599,6 +601,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "tokens, whose attention scores take gigabytes)")
     p.add_argument("--view-block-size", type=int, default=32,
                    help="the cache block size the views are cut in (default 32)")
+    p.add_argument("--served-k", type=int, default=0, metavar="K",
+                   help="also simulate vLLM's acceptance counters at K draft tokens over every "
+                   "held-out response (proposals start where the last one stopped, as served)")
     p.add_argument("--view-draft-cache", action="store_true",
                    help="also diagnose each view covering a hybrid's own self-attention cache "
                    "too (NAME@TOKENS+own rows for every TOKENS)")

@@ -19,7 +19,8 @@ from kvshot_vllm.errors import KVShotError
 from kvshot_vllm.models.drafter import load_drafter
 from kvshot_vllm.models.files import target_spec
 from kvshot_vllm.models.oracle import build_oracle
-from kvshot_vllm.training.diagnostics import stepwise_acceptance, training_stats
+from kvshot_vllm.training.diagnostics import (acceptance_length, simulated_vllm_counters,
+                                              stepwise_acceptance, training_stats)
 from kvshot_vllm.training.features import (FeatureSet, FeatureSpec, bytes_per_token, check_room,
                                            extract_features)
 from kvshot_vllm.training.pipeline import drafter_config, feature_spec, features_for
@@ -215,6 +216,10 @@ def test_oracle_is_accepted_offline(data_dir, target_fp32, dataset, tmp_path) ->
     # fp32 near-ties between the target's logits and the oracle's recomputation (another
     # summation order) may flip a rare argmax; a wrong read or position costs far more.
     assert min(result["a"]) >= 0.97, result
+    # served as vLLM counts, nearly every proposal accepts all k drafts (a response's last one
+    # may have fewer labels left to match)
+    served = simulated_vllm_counters(oracle, features, 2)
+    assert served["num_drafts"] >= 20 and acceptance_length(served) >= 2.8, served
 
 
 def _trainer(run_dir, target, features, paradigm, steps=12, snapshot_every=None, init=None,
@@ -291,9 +296,14 @@ def test_learning_curve_of_snapshots(data_dir, target_fp32, dataset, train_featu
     whole, small = KVBudget(tokens=32 * (longest // 32 + 3), block_size=32), KVBudget(
         tokens=48, block_size=16)
     viewed = diagnose({"kv": ckpt}, target_fp32, heldout, steps=4, progress=False,
-                      views=[whole, small])
+                      views=[whole, small], served_k=2)
     assert list(viewed) == ["kv", f"kv@{whole.tokens}", "kv@48"]
     assert viewed[f"kv@{whole.tokens}"]["a"] == viewed["kv"]["a"] == rows[-1]["a"]
+    served = viewed["kv"]["served"]
+    assert served["k"] == 2 and viewed[f"kv@{whole.tokens}"]["served"] == served
+    # a proposal gives at most k + 1 tokens of each response, whose first is the prefill's
+    assert served["num_drafts"] >= sum(heldout.length(i) - heldout.prompt_length(i) - 1
+                                       for i in range(len(heldout))) / 3
     assert viewed["kv@48"]["view"]["tokens"] == 48
     n = len(train_features)
     per_epoch = sum(train_features.length(i) - train_features.prompt_length(i) for i in range(n))

@@ -310,6 +310,44 @@ def test_report_compares_retention_only_where_chains_suffice() -> None:
     assert all("/a0 |" not in line.replace("a3/a0 |", "") for line in report_lines(results, "cmd"))
 
 
+def test_served_proposals_step_as_vllm_does() -> None:
+    """A proposal anchored at p accepts its drafts up to the first miss and moves on by them
+    and the bonus token; generation stops once the response is complete."""
+    from kvshot_vllm.training.diagnostics import served_proposals
+
+    prompt, length, k = 5, 15, 3  # a response of 10 tokens, the prefill's first included
+    assert served_proposals(torch.zeros(k, length, dtype=torch.bool), prompt, length) == [0] * 9
+    assert served_proposals(torch.ones(k, length, dtype=torch.bool), prompt, length) == [3, 3, 3]
+    hits = torch.zeros(k, length, dtype=torch.bool)
+    hits[:2, 4] = True  # the first proposal (anchor 4) accepts 2, the next anchors at 7
+    hits[:, 7] = True  # all 3, the next at 11
+    hits[1:, 11] = True  # a miss at draft 0 ends it whatever follows
+    # anchors 4, 7, 11 and 12, which gives the tenth token
+    assert served_proposals(hits, prompt, length) == [2, 3, 0, 0]
+
+
+def test_diagnose_refuses_a_negative_served_k() -> None:
+    from tests.conftest import assert_one_line_error, run_kvshot
+
+    assert_one_line_error(run_kvshot("diagnose", "x=y", "--served-k", "-1"),
+                          "--served-k takes a number of draft tokens (0: none), got -1")
+
+
+def test_report_shows_served_acceptance_where_simulated() -> None:
+    from kvshot_vllm.training.diagnostics import report_lines, summarize
+
+    results = {"a": summarize([50, 40], [100, 50]), "b": summarize([60, 40], [100, 60])}
+    for r in results.values():
+        r["training"] = None
+    assert not any("As a server counts" in line for line in report_lines(results, "cmd"))
+    results["a"]["served"] = {"k": 2, "num_drafts": 200, "accepted_per_pos": [100, 40]}
+    results["b"]["served"] = None  # e.g. rewritten from a report made before simulation
+    lines = report_lines(results, "cmd")
+    rows = [line for line in lines if line.startswith("| a | 200 |")]
+    assert rows == ["| a | 200 | 0.500 | 0.200 | 1.70 |"]
+    assert not any(line.startswith("| b | ") and line.count("|") == 6 for line in lines)
+
+
 @pytest.mark.parametrize("paradigm,options", [
     ("hidden", {}), ("kv", {"num_layers": 2}), ("hybrid", {}), ("block", {}),
     ("block", {"ssm_state_size": 4}), ("kv", {"kv_projection": "linear"}),

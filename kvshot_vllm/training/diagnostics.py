@@ -96,12 +96,13 @@ def training_stats(checkpoint: Path) -> dict | None:
 
 def diagnose(checkpoints: dict[str, Path], target_dir: Path, features: FeatureSet,
              steps: int = 7, progress: bool = True, views: Sequence[KVBudget] = (),
-             batch_size: int = 4) -> dict:
+             batch_size: int = 4, served_k: int = 0) -> dict:
     """One row per checkpoint, under its own view (`kv_budget`, e.g. a compressed memory) if it
     was trained with one; with `views`, also NAME@TOKENS per view for each full-view drafter
     that reads target KV: the same drafter reading that sparse view of it (`budget.py`),
     NAME@TOKENS+own where the view also covers the drafter's own cache (the only view of a
-    hidden-only drafter), NAME@TOKENS+retrieval for a retrieval view."""
+    hidden-only drafter), NAME@TOKENS+retrieval for a retrieval view. With `served_k`, each
+    row also holds the counters vLLM would report at k = served_k (`simulated_vllm_counters`)."""
     results = {}
     for name, ckpt in checkpoints.items():
         drafter = load_drafter(ckpt, target_dir).eval()
@@ -115,11 +116,15 @@ def diagnose(checkpoints: dict[str, Path], target_dir: Path, features: FeatureSe
             with drafter.viewing(view) if view else nullcontext():
                 acceptance = stepwise_acceptance(drafter, features, steps, batch_size,
                                                  progress=progress)
+                served = ({"k": served_k, **simulated_vllm_counters(drafter, features,
+                                                                     served_k, batch_size)}
+                          if served_k else None)
                 held = {str(n): drafter.draft_side_bytes(n) for n in PREFIXES}
                 read = drafter.view.model_dump() if drafter.view else None
             results[label] = {"checkpoint": str(ckpt), "paradigm": drafter.cfg.paradigm,
                               "num_layers": drafter.cfg.num_layers, "view": read, **acceptance,
-                              "draft_side_bytes": held, "training": training_stats(ckpt)}
+                              "served": served, "draft_side_bytes": held,
+                              "training": training_stats(ckpt)}
     return results
 
 
@@ -166,6 +171,7 @@ def report_lines(results: dict, command: str) -> list[str]:
               "|" + "---|" * (steps + 1)]
     lines += [f"| {name} | " + " | ".join(str(n) for n in r["alive"]) + " |"
               for name, r in results.items()]
+    lines += served_lines(results)
     lines += draft_memory_lines(results)
     gates = {n: r["training"]["gate"] for n, r in results.items()
              if r["training"] and r["training"]["gate"]}
@@ -188,6 +194,32 @@ def report_lines(results: dict, command: str) -> list[str]:
                 f"{g[k]:.2e}" if k in g else "-"
                 for k in ("self.q", "self.kv", "cross.q", "cross.kv")) + " |")
     return lines
+
+
+def served_lines(results: dict) -> list[str]:
+    """vLLM's acceptance as simulated over every held-out response, where it was (`--served-k`)."""
+    served = {n: r["served"] for n, r in results.items() if r.get("served")}
+    if not served:
+        return []
+    k = next(iter(served.values()))["k"]
+    lines = ["", f"As a server counts it at k = {k} (simulated: greedy generation of every held-out "
+             "response, each proposal starting after the last one's accepted drafts and bonus "
+             "token, so where the previous one missed; a_k above starts at every position). "
+             "Acceptance at position j = accepted drafts at j / proposals; acceptance length = "
+             "1 + accepted / proposals:", "",
+             "| drafter | proposals | " + " | ".join(f"pos {j}" for j in range(k))
+             + " | acceptance length |", "|" + "---|" * (k + 3)]
+    for name, s in served.items():
+        n = s["num_drafts"]
+        lines.append(f"| {name} | {n} | " + " | ".join(f"{a / n:.3f}" for a in
+                                                      s["accepted_per_pos"])
+                     + f" | {acceptance_length(s):.2f} |")
+    return lines
+
+
+def acceptance_length(counters: dict) -> float:
+    """Tokens per proposal, the bonus token included, from vLLM-style counters."""
+    return 1 + sum(counters["accepted_per_pos"]) / max(counters["num_drafts"], 1)
 
 
 def draft_memory_lines(results: dict) -> list[str]:
@@ -262,32 +294,49 @@ def rewrite_report(out: Path) -> None:
 
 
 @torch.no_grad()
-def simulated_vllm_counters(drafter: Drafter, features: FeatureSet, k: int,
+def simulated_vllm_counters(drafter: Drafter, features: SplitFeatures, k: int,
                             batch_size: int = 4) -> dict:
     """vLLM's spec-decode counters as the offline drafter predicts them for greedy generation
     of each held-out response: proposals start at the last prompt position, and after n
-    accepted drafts the next one starts n + 1 tokens later, as in vLLM."""
+    accepted drafts the next one starts n + 1 tokens later, as in vLLM. So unlike the chain of
+    `stepwise_acceptance`, which starts at every response position, proposals start where the
+    last one missed, often in harder text: this is the acceptance a server reports."""
     cfg = drafter.cfg
     drafts, accepted = 0, [0] * k
     order = sorted(range(len(features)), key=features.length)
     for start in range(0, len(order), batch_size):
         idx = order[start:start + batch_size]
-        feats, labels, trainable = features.batch(idx, cfg.kv_layers, cfg.uses_aux_hidden)
-        # every position may anchor a proposal here, not only response ones
-        known = torch.zeros_like(trainable)
+        feats, labels, _ = features.batch(idx, cfg.kv_layers, cfg.uses_aux_hidden)
+        # drafts are scored by the labels from the last prompt position to the sequence's last;
+        # the chain skips the rows before them that no draft needs (most of a multi-turn prompt)
+        known = torch.zeros(labels.shape, dtype=torch.bool)
         for r, i in enumerate(idx):
-            known[r, : features.length(i)] = True
-        hits = [hit for _, _, hit, _ in chain_predictions(drafter, feats, labels, known, k,
-                                                          all_rows=True)]
+            known[r, features.prompt_length(i) - 1: features.length(i)] = True
+        hits = torch.zeros(k, *labels.shape, dtype=torch.bool)  # [k, B, T]
+        for hit, (_, _, computed, _) in zip(hits, chain_predictions(
+                drafter, feats, labels, known.to(labels.device), k)):
+            hit[:, hit.shape[1] - computed.shape[1]:] = computed.cpu()  # the rows it computed
         for r, i in enumerate(idx):
-            prompt_len, length = features.item(i)["prompt_len"], features.length(i)
-            p = prompt_len - 1
-            while p - prompt_len + 2 < length - prompt_len:  # tokens generated < response
+            for n in served_proposals(hits[:, r], features.prompt_length(i), features.length(i)):
                 drafts += 1
-                n = 0
-                while n < k and bool(hits[n][r, p]):
-                    n += 1
                 for j in range(n):
                     accepted[j] += 1
-                p += n + 1
     return {"num_drafts": drafts, "accepted_per_pos": accepted}
+
+
+def served_proposals(hits: torch.Tensor, prompt_len: int, length: int) -> list[int]:
+    """Drafts accepted by each proposal of a greedy generation of the response that follows a
+    prompt of `prompt_len` tokens, to `length` tokens in all, given hits [k, T]: hits[j, p] =
+    draft j anchored at position p is the target's token. The prefill gives the first token;
+    each proposal then anchors at the last accepted token and gives its accepted drafts plus a
+    bonus token, until the response is complete."""
+    k = hits.shape[0]
+    out = []
+    p = prompt_len - 1
+    while p - prompt_len + 2 < length - prompt_len:  # tokens generated < response
+        n = 0
+        while n < k and bool(hits[n, p]):
+            n += 1
+        out.append(n)
+        p += n + 1
+    return out
