@@ -254,9 +254,12 @@ train-hidden-v5: data-scale-8k $(HIDDEN_V4)/manifest.json
 # The features are computed as batches ask (--features live), not cached: one pass reads each
 # sequence once, so a cache saves no forward, and at 5,768 bytes a token this set's cache would
 # take more disk than these machines hold free (an extraction checks that before it starts).
-# The training resumes where a kill left it: rerun the same command. Then diagnosed and served beside the fifth on the
-# new set's held-out split, which holds the 8k set's held-out conversations with their later
-# turns.
+# The training resumes where a kill left it: rerun the same command. Then diagnosed and served
+# beside the fifth on the new set's held-out split, which holds the 8k set's held-out
+# conversations with their later turns: as the versions before were compared (16 prompts, 128
+# tokens, c = 1, for TPOT), and for issue 12's acceptance goal over the whole split, every
+# held-out prompt once with its whole response length, at c = 16 (vLLM's counters do not depend
+# on the concurrency; the 16-prompt sample understates the split's acceptance, README).
 HIDDEN_V5 = $(KVSHOT_DATA_DIR)/drafters/hidden-v5
 HIDDEN_V6_RUN = $(KVSHOT_DATA_DIR)/runs/scale-all-hidden-v6
 train-hidden-v6: data-scale-all $(HIDDEN_V5)/manifest.json
@@ -271,6 +274,10 @@ train-hidden-v6: data-scale-all $(HIDDEN_V5)/manifest.json
 	$(SERVED_VERSIONS) --configs none ngram hidden-v5 hidden-v6 \
 	  --model hidden-v5=$(HIDDEN_V5) --model hidden-v6=$(HIDDEN_V6_RUN)/checkpoint \
 	  --dataset $(SCALE_ALL_DATA) --out bench/results/hidden-v6
+	$(VENV)/bin/kvshot bench --k 3 --levels 16 --requests $$(wc -l < $(SCALE_ALL_DATA)/heldout.jsonl) \
+	  --max-output-tokens 1024 --target $(SCALE_TARGET) --configs ngram hidden-v5 hidden-v6 \
+	  --model hidden-v5=$(HIDDEN_V5) --model hidden-v6=$(HIDDEN_V6_RUN)/checkpoint \
+	  --dataset $(SCALE_ALL_DATA) --out bench/results/hidden-v6-heldout
 
 # And the KV-only drafter's fourth pass, the same way from its shipped third version's run
 # (runs/scale-kv-v3, `make train-kv-v3`), over the same features.

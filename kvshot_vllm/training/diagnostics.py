@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -293,7 +293,6 @@ def rewrite_report(out: Path) -> None:
     write_report(data["drafters"], Path(out), data["command"])
 
 
-@torch.no_grad()
 def simulated_vllm_counters(drafter: Drafter, features: SplitFeatures, k: int,
                             batch_size: int = 4) -> dict:
     """vLLM's spec-decode counters as the offline drafter predicts them for greedy generation
@@ -301,8 +300,23 @@ def simulated_vllm_counters(drafter: Drafter, features: SplitFeatures, k: int,
     accepted drafts the next one starts n + 1 tokens later, as in vLLM. So unlike the chain of
     `stepwise_acceptance`, which starts at every response position, proposals start where the
     last one missed, often in harder text: this is the acceptance a server reports."""
+    proposals = [n for i, hits in proposal_hits(drafter, features, k, batch_size)
+                 for n in served_proposals(hits, features.prompt_length(i), features.length(i))]
+    return counters(proposals, k)
+
+
+def counters(proposals: list[int], k: int) -> dict:
+    """vLLM's spec-decode counters of proposals that accepted these many drafts each."""
+    return {"num_drafts": len(proposals),
+            "accepted_per_pos": [sum(n > j for n in proposals) for j in range(k)]}
+
+
+@torch.no_grad()
+def proposal_hits(drafter: Drafter, features: SplitFeatures, k: int,
+                  batch_size: int = 4) -> Iterator[tuple[int, torch.Tensor]]:
+    """Per sequence i of `features`: hits [k, T], hits[j, p] = draft j of a proposal anchored
+    at position p is the target's token, from the last prompt position on."""
     cfg = drafter.cfg
-    drafts, accepted = 0, [0] * k
     order = sorted(range(len(features)), key=features.length)
     for start in range(0, len(order), batch_size):
         idx = order[start:start + batch_size]
@@ -317,11 +331,7 @@ def simulated_vllm_counters(drafter: Drafter, features: SplitFeatures, k: int,
                 drafter, feats, labels, known.to(labels.device), k)):
             hit[:, hit.shape[1] - computed.shape[1]:] = computed.cpu()  # the rows it computed
         for r, i in enumerate(idx):
-            for n in served_proposals(hits[:, r], features.prompt_length(i), features.length(i)):
-                drafts += 1
-                for j in range(n):
-                    accepted[j] += 1
-    return {"num_drafts": drafts, "accepted_per_pos": accepted}
+            yield i, hits[:, r]
 
 
 def served_proposals(hits: torch.Tensor, prompt_len: int, length: int) -> list[int]:
