@@ -288,6 +288,19 @@ def test_learning_curve_of_snapshots(data_dir, target_fp32, dataset, train_featu
     heldout = features_for(data_dir, target_fp32, dataset, "heldout", feature_spec(target_fp32))
     rows = learning_curve(run_dir, target_fp32, heldout, steps=4, progress=False)
     assert [r["step"] for r in rows] == [4, 8, 12]
+    # each snapshot's acceptance is kept as it is measured, and a rerun reuses it (a marked
+    # copy shows it was read back), for the same held-out features and chain length only
+    kept = run_dir / "curve-points" / "step-000004.json"
+    assert sorted(p.name for p in (run_dir / "curve-points").iterdir()) == [
+        "step-000004.json", "step-000008.json", "step-000012.json"]
+    original = kept.read_text()
+    marked = json.loads(original)
+    marked["acceptance"]["mat"] = -1.0
+    kept.write_text(json.dumps(marked))
+    assert learning_curve(run_dir, target_fp32, heldout, steps=4, progress=False)[0]["mat"] == -1
+    shorter = learning_curve(run_dir, target_fp32, heldout, steps=3, progress=False)
+    assert shorter[0]["mat"] > 1 and len(shorter[0]["a"]) == 3
+    kept.write_text(original)
     # diagnose under sparse views: one that holds every held-out sequence changes nothing
     from kvshot_vllm.models.budget import KVBudget
     from kvshot_vllm.training.diagnostics import diagnose

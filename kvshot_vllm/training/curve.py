@@ -92,14 +92,29 @@ def checkpoint_origin(ckpt: Path) -> tuple[Path, int]:
 def learning_curve(run_dir: Path, target_dir: Path, heldout: SplitFeatures,
                    steps: int = 7, progress: bool = True, device: str = "cpu") -> list[dict]:
     """One row per snapshot: its step, the tokens it was trained on (a warm start's
-    included), a_k and MAT."""
+    included), a_k and MAT. Each snapshot's acceptance is kept under RUN_DIR/curve-points/ as
+    it is measured (a run at scale has tens of snapshots, minutes each), and a rerun reuses it
+    for the same held-out features and chain length."""
     from kvshot_vllm.models.drafter import load_drafter
 
     rows = []
     for step, ckpt in snapshots(run_dir):
-        drafter = load_drafter(ckpt, target_dir).eval().to(device)
+        key = {"checkpoint": str(ckpt.resolve()), "heldout": str(heldout.path.resolve()),
+               "steps": steps}
+        kept = Path(run_dir) / "curve-points" / f"step-{step:06d}.json"
+        acceptance = None
+        if kept.is_file():
+            found = json.loads(kept.read_text())
+            acceptance = found["acceptance"] if found["key"] == key else None
+        if acceptance is None:
+            drafter = load_drafter(ckpt, target_dir).eval().to(device)
+            acceptance = stepwise_acceptance(drafter, heldout, steps, progress=progress)
+            kept.parent.mkdir(exist_ok=True)
+            partial = kept.with_suffix(".partial")
+            partial.write_text(json.dumps({"key": key, "acceptance": acceptance}))
+            partial.rename(kept)
         rows.append({"step": step, "checkpoint": str(ckpt), **run_tokens(run_dir, step),
-                     **stepwise_acceptance(drafter, heldout, steps, progress=progress)})
+                     **acceptance})
     return rows
 
 
