@@ -76,7 +76,8 @@ def main() -> int:
         lines.append(f"| {name} | " + " | ".join(
             f"{acceptance_length(c):.3f} ({c['num_drafts']} proposals)"
             for c in row["samples"].values()) + " |")
-    write_results(a.out, {"command": command, "dataset": str(dataset), "k": a.k, "num_prompts": a.num_prompts,
+    write_results(a.out, {"command": command, "dataset": str(dataset), "k": a.k,
+                          "num_prompts": a.num_prompts,
                           "max_output_tokens": a.max_output_tokens, "drafters": rows}, lines)
     return 0
 

@@ -202,8 +202,8 @@ def served_lines(results: dict) -> list[str]:
     if not served:
         return []
     k = next(iter(served.values()))["k"]
-    lines = ["", f"As a server counts it at k = {k} (simulated: greedy generation of every held-out "
-             "response, each proposal starting after the last one's accepted drafts and bonus "
+    lines = ["", f"As a server counts it at k = {k} (simulated: greedy generation of every "
+             "held-out response, each proposal starting after the last one's accepted drafts and bonus "
              "token, so where the previous one missed; a_k above starts at every position). "
              "Acceptance at position j = accepted drafts at j / proposals; acceptance length = "
              "1 + accepted / proposals:", "",
