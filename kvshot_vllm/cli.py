@@ -572,7 +572,8 @@ def build_parser() -> argparse.ArgumentParser:
         "curve", help="the learning curve of a run: held-out acceptance against tokens trained",
         description="Diagnose every snapshot of a training run (trained with --snapshot-every) "
         "on the held-out split of its data set: a_k and MAT against the tokens each snapshot "
-        "was trained on. Writes OUT.json, OUT.md and OUT.png.")
+        "was trained on. Writes OUT.json, OUT.md and OUT.png. Each snapshot's point is kept in "
+        "RUN_DIR/curve-points/ as it is measured, so a killed curve continues when rerun.")
     _add_data_dir(p)
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("--steps", type=int, default=7, help="draft chain length (default 7)")
