@@ -259,7 +259,8 @@ train-hidden-v5: data-scale-8k $(HIDDEN_V4)/manifest.json
 # conversations with their later turns: as the versions before were compared (16 prompts, 128
 # tokens, c = 1, for TPOT), and for issue 12's acceptance goal over the whole split, every
 # held-out prompt once with its whole response length, at c = 16 (vLLM's counters do not depend
-# on the concurrency; the 16-prompt sample understates the split's acceptance, README).
+# on the concurrency; the 16-prompt sample understates the split's acceptance, README). The
+# learning curve last: its 17 snapshots take over an hour, and a killed curve continues.
 HIDDEN_V5 = $(KVSHOT_DATA_DIR)/drafters/hidden-v5
 HIDDEN_V6_RUN = $(KVSHOT_DATA_DIR)/runs/scale-all-hidden-v6
 train-hidden-v6: data-scale-all $(HIDDEN_V5)/manifest.json
@@ -270,7 +271,6 @@ train-hidden-v6: data-scale-all $(HIDDEN_V5)/manifest.json
 	$(VENV)/bin/kvshot diagnose hidden-v5=$(HIDDEN_V5) hidden-v6=$(HIDDEN_V6_RUN)/checkpoint \
 	  --target $(SCALE_TARGET) --dataset $(SCALE_ALL_DATA) --forward-dtype bfloat16 \
 	  --served-k 3 --out results/hidden-v6
-	$(VENV)/bin/kvshot curve $(HIDDEN_V6_RUN) --out results/curve-hidden-v6
 	$(SERVED_VERSIONS) --configs none ngram hidden-v5 hidden-v6 \
 	  --model hidden-v5=$(HIDDEN_V5) --model hidden-v6=$(HIDDEN_V6_RUN)/checkpoint \
 	  --dataset $(SCALE_ALL_DATA) --out bench/results/hidden-v6
@@ -278,6 +278,7 @@ train-hidden-v6: data-scale-all $(HIDDEN_V5)/manifest.json
 	  --max-output-tokens 1024 --target $(SCALE_TARGET) --configs ngram hidden-v5 hidden-v6 \
 	  --model hidden-v5=$(HIDDEN_V5) --model hidden-v6=$(HIDDEN_V6_RUN)/checkpoint \
 	  --dataset $(SCALE_ALL_DATA) --out bench/results/hidden-v6-heldout
+	$(VENV)/bin/kvshot curve $(HIDDEN_V6_RUN) --out results/curve-hidden-v6
 
 # And the KV-only drafter's fourth pass, the same way from its shipped third version's run
 # (runs/scale-kv-v3, `make train-kv-v3`), over the same features.
