@@ -470,11 +470,14 @@ def report_lines(data: dict) -> list[str]:
         lines += ["", "Engine settings read back from each server's log: " + "; ".join(
             f"{name}: {e['dtype']}, {'eager' if e['enforce_eager'] else 'compiled'}, custom ops "
             f"{','.join(e['custom_ops'])}" for name, e in engines.items()) + "."]
-    lines += ["", "| config | drafter KV bytes/token | per-position acceptance (all levels) |",
-              "|---|---|---|"]
+    lines += ["", "Proposals: how many the per-position acceptance rests on (a small sample's "
+              "acceptance is noise).", "",
+              "| config | drafter KV bytes/token | proposals | per-position acceptance (all "
+              "levels) |", "|---|---|---|---|"]
     for name, r in data["configurations"].items():
         per_pos = overall_per_position(r)
-        lines.append(f"| {name} | {r['drafter_kv_bytes_per_token']} | "
+        proposals = int(sum(row.get("drafts") or 0 for row in r["levels"].values()))
+        lines.append(f"| {name} | {r['drafter_kv_bytes_per_token']} | {proposals or '-'} | "
                      + (" / ".join(f"{x:.3f}" for x in per_pos) or "-") + " |")
     return lines + goal_lines(data["configurations"])
 

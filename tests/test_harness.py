@@ -93,6 +93,10 @@ def test_sweep_reports_every_field_and_survives_a_failed_server(
     assert out.with_name("bench-acceptance.png").stat().st_size > 10_000
     report = out.with_suffix(".md").read_text()
     assert "| ngram | 2 |" in report and "Engine settings read back" in report
+    # the per-position acceptance beside the proposals it rests on, over both levels
+    ngram_levels = data["configurations"]["ngram"]["levels"].values()
+    proposals = int(sum(row["drafts"] for row in ngram_levels))
+    assert f"| ngram | 0 | {proposals} | " in report and "| none | 0 | - | - |" in report
     assert [data["configurations"][n]["kind"] for n in ("broken", "none", "ngram")] == [
         "kvshot", "none", "ngram"]
     assert "| ngram: TPOT speedup at c = 1 at least 0.75x its acceptance length |" in report
