@@ -256,11 +256,12 @@ train-hidden-v5: data-scale-8k $(HIDDEN_V4)/manifest.json
 # take more disk than these machines hold free (an extraction checks that before it starts).
 # The training resumes where a kill left it: rerun the same command. Then diagnosed and served
 # beside the fifth on the new set's held-out split, which holds the 8k set's held-out
-# conversations with their later turns: as the versions before were compared (16 prompts, 128
-# tokens, c = 1, for TPOT), and for issue 12's acceptance goal over the whole split, every
-# held-out prompt once with its whole response length, at c = 16 (vLLM's counters do not depend
-# on the concurrency; the 16-prompt sample understates the split's acceptance, README). The
-# learning curve last: its 17 snapshots take over an hour, and a killed curve continues.
+# conversations with their later turns: TPOT at c = 1 over 32 prompts spread over the split
+# (the first 16 that earlier versions were compared on are all first turns, and accept less
+# than the split: bench/results/served_sample.md), and for issue 12's acceptance goal the whole
+# split, every held-out prompt once with its whole response, at c = 16 (vLLM's counters do not
+# depend on the concurrency). The learning curve last: its 17 snapshots take over an hour, and
+# a killed curve continues.
 HIDDEN_V5 = $(KVSHOT_DATA_DIR)/drafters/hidden-v5
 HIDDEN_V6_RUN = $(KVSHOT_DATA_DIR)/runs/scale-all-hidden-v6
 train-hidden-v6: data-scale-all $(HIDDEN_V5)/manifest.json
@@ -271,7 +272,8 @@ train-hidden-v6: data-scale-all $(HIDDEN_V5)/manifest.json
 	$(VENV)/bin/kvshot diagnose hidden-v5=$(HIDDEN_V5) hidden-v6=$(HIDDEN_V6_RUN)/checkpoint \
 	  --target $(SCALE_TARGET) --dataset $(SCALE_ALL_DATA) --forward-dtype bfloat16 \
 	  --served-k 3 --out results/hidden-v6
-	$(SERVED_VERSIONS) --configs none ngram hidden-v5 hidden-v6 \
+	$(VENV)/bin/kvshot bench --k 3 --levels 1 --requests 32 --spread --max-output-tokens 256 \
+	  --target $(SCALE_TARGET) --configs none ngram hidden-v5 hidden-v6 \
 	  --model hidden-v5=$(HIDDEN_V5) --model hidden-v6=$(HIDDEN_V6_RUN)/checkpoint \
 	  --dataset $(SCALE_ALL_DATA) --out bench/results/hidden-v6
 	$(VENV)/bin/kvshot bench --k 3 --levels 16 --requests $$(wc -l < $(SCALE_ALL_DATA)/heldout.jsonl) \

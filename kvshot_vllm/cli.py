@@ -357,7 +357,7 @@ def cmd_bench(a: argparse.Namespace) -> None:
                            Path(a.sweep) if a.sweep else None)
     if a.port is not None and len(configs) > 1:
         print("note: one --port for all configurations, used one after the other")
-    prompts = load_prompts(dataset, max_out)
+    prompts = load_prompts(dataset, max_out, spread=requests if a.spread else None)
     run_bench(configs, target, data_dir, prompts, args, Path(a.out),
               command="kvshot bench " + " ".join(sys.argv[2:]))
 
@@ -646,6 +646,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default 1 2 4 8 16 32; --quick: 1 4)")
     p.add_argument("--requests", type=int, help="requests per level, at least 2 x the level "
                    "(default 8; --quick: 4)")
+    p.add_argument("--spread", action="store_true",
+                   help="send --requests held-out prompts evenly spaced over the split, not its "
+                   "first ones (in a multi-turn set those are all first turns)")
     p.add_argument("--repeats", type=int, help="runs of every level per server (default 1)")
     p.add_argument("--max-output-tokens", type=int,
                    help="cap on each response length (default 128; --quick: 32)")

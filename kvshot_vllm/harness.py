@@ -129,8 +129,11 @@ def checkpoint_paradigm(checkpoint: Path) -> str:
     return paradigm
 
 
-def load_prompts(dataset: Path, max_output_tokens: int) -> list[tuple[list[int], int]]:
-    """(prompt token ids, output length) of the held-out split: never the training split."""
+def load_prompts(dataset: Path, max_output_tokens: int,
+                 spread: int | None = None) -> list[tuple[list[int], int]]:
+    """(prompt token ids, output length) of the held-out split: never the training split. With
+    `spread` N, N of them evenly spaced over the split (its first N are one kind of prompt, the
+    first turns of its first conversations, in a multi-turn set)."""
     from kvshot_vllm.data import read_records
 
     path = Path(dataset) / "heldout.jsonl"
@@ -139,6 +142,8 @@ def load_prompts(dataset: Path, max_output_tokens: int) -> list[tuple[list[int],
                for r in records if r["response_token_ids"]]
     if not prompts:
         raise KVShotError(f"no held-out prompts in {path}; run `kvshot data prepare` first")
+    if spread and spread < len(prompts):
+        prompts = [prompts[i * len(prompts) // spread] for i in range(spread)]
     return prompts
 
 

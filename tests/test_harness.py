@@ -258,3 +258,18 @@ def test_tokens_per_step_count_every_decode_step() -> None:
     assert out["mat"] == pytest.approx(3.5)
     assert out["tokens_per_step"] == pytest.approx(40 / 30)
     assert out["drafting_steps"] == pytest.approx(4 / 30)
+
+
+def test_spread_prompts_sample_the_whole_split(tmp_path) -> None:
+    """--spread: N prompts evenly spaced over the held-out split, its first and later ones
+    alike; without it, or with N at least the split's size, every prompt in order."""
+    rows = [{"prompt_token_ids": [i], "response_token_ids": [7] * (i % 3)} for i in range(13)]
+    (tmp_path / "heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    answered = [i for i in range(13) if i % 3]  # a record without a response is no prompt
+    every = load_prompts(tmp_path, 64)
+    assert [ids[0] for ids, _ in every] == answered
+    assert [n for _, n in every] == [i % 3 for i in answered]
+    spread = load_prompts(tmp_path, 64, spread=3)
+    assert [ids[0] for ids, _ in spread] == [answered[0], answered[2], answered[5]]
+    assert load_prompts(tmp_path, 64, spread=len(answered)) == every
+    assert load_prompts(tmp_path, 1, spread=20) == [(ids, 1) for ids, _ in every]
