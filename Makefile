@@ -27,9 +27,9 @@ test-slow: setup
 
 # The training set at scale (issue 12): 2,048 training and 100 held-out ShareGPT conversations,
 # up to 2 user turns each, every earlier reply the target's own: about 0.7M response tokens,
-# what one ~90-minute training budget on 2 cores goes through several times (README, "Training
-# at scale"). About an hour on 2 cores; resumable: rerun the same command after a kill. `nice`
-# leaves the machine usable beside it. Compiled: 1.4x eager in bf16, at the price that a resumed
+# what one ~90-minute training budget on 2 cores goes through several times
+# (docs/training-at-scale.md). About an hour on 2 cores; resumable: rerun the same command
+# after a kill. `nice` leaves the machine usable beside it. Compiled: 1.4x eager in bf16, at the price that a resumed
 # run is not bit-equal to an uninterrupted one.
 SCALE_TARGET = $(KVSHOT_DATA_DIR)/targets/SmolLM2-135M-Instruct-float32
 SCALE_DATA = $(KVSHOT_DATA_DIR)/datasets/sharegpt-2k-2turns
@@ -361,7 +361,7 @@ memory-study: data-scale data-long $(HYBRID_V2)/manifest.json
 # granularity vLLM serves (one chunk per cache block). Only the adaptor trains, by distillation
 # from the drafter's full view (120 steps of 4 sequences, about 10 minutes on 2 cores); then it
 # is diagnosed on the long-context buckets beside the full cache and streaming views of about
-# the memory's bytes at 4K and 7K (512 and 1024 tokens). Served cost: README, issue 16.
+# the memory's bytes at 4K and 7K (512 and 1024 tokens). Served cost: docs/long-context.md.
 MEMORY_HIDDEN = $(KVSHOT_DATA_DIR)/runs/memory-hidden-distill/checkpoint
 MEMORY_HIDDEN_TRAIN = $(VENV)/bin/kvshot train --paradigm hidden --kv-budget 96 \
   --view-block-size 32 --view-draft-cache --memory 32:4 --memory-caches draft \

@@ -2,8 +2,8 @@
 hands them to its CPU kernel, against the same rows split into one-row requests.
 
 A verify step attends k + 1 rows per request over the request's whole prefix, and at long
-prefixes vLLM's CPU kernel takes far longer for it than for a decode row (README, the
-long-context runs). This measures where that goes: the kernel's time for one and for k + 1 rows
+prefixes vLLM's CPU kernel takes far longer for it than for a decode row (docs/long-context.md,
+the long-context runs). This measures where that goes: the kernel's time for one and for k + 1 rows
 per request, as vLLM passes them, and for the same rows handed over as one-row requests. Row r
 of a request with R rows and S keys attends keys [0, S - R + r], exactly what a one-row request
 of S - R + r + 1 keys attends through the same block table (`rows_as_requests`), and the kernel

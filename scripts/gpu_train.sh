@@ -17,7 +17,7 @@
 #
 # One lease is 15 minutes of device time, a call at most 10, and the machine goes back after
 # 30 s idle, taking everything with it. So: every call back to back, prepared beforehand, each
-# well inside its timeout (README, "Training on a lent GPU", has the calls and what they took).
+# well inside its timeout (docs/training-at-scale.md, "Training on a lent GPU", has the calls and what they took).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
