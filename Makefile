@@ -264,23 +264,32 @@ train-hidden-v5: data-scale-8k $(HIDDEN_V4)/manifest.json
 # a killed curve continues.
 HIDDEN_V5 = $(KVSHOT_DATA_DIR)/drafters/hidden-v5
 HIDDEN_V6_RUN = $(KVSHOT_DATA_DIR)/runs/scale-all-hidden-v6
-train-hidden-v6: data-scale-all $(HIDDEN_V5)/manifest.json
-	nice -n 10 $(VENV)/bin/kvshot train --paradigm hidden --init $(HIDDEN_V5) --preset full \
-	  --steps $$(( $$(wc -l < $(SCALE_ALL_DATA)/train.jsonl) / 8 )) --target $(SCALE_TARGET) \
-	  --dataset $(SCALE_ALL_DATA) --forward-dtype bfloat16 --features live \
-	  --snapshot-every 160 --out $(HIDDEN_V6_RUN)
-	$(VENV)/bin/kvshot diagnose hidden-v5=$(HIDDEN_V5) hidden-v6=$(HIDDEN_V6_RUN)/checkpoint \
+STEPS_ALL = $$(( $$(wc -l < $(SCALE_ALL_DATA)/train.jsonl) / 8 ))
+# One hidden-only pass over data-scale-all's set: $(1) the run, $(2) what it starts from (--init),
+# $(3) more train options.
+train_pass_all = nice -n 10 $(VENV)/bin/kvshot train --paradigm hidden --init $(2) --preset full \
+	  --steps $(STEPS_ALL) --target $(SCALE_TARGET) --dataset $(SCALE_ALL_DATA) \
+	  --forward-dtype bfloat16 --features live --snapshot-every 160 $(3) --out $(1)
+# A new hidden-only version ($(3), run $(4)) beside the one it started from ($(1) at $(2)) on
+# data-scale-all's held-out split: diagnosed with vLLM's counters simulated at k = 3, served for
+# TPOT at c = 1, served over the whole split for the acceptance goal, then its learning curve.
+define hidden_version_study
+	$(VENV)/bin/kvshot diagnose $(1)=$(2) $(3)=$(4)/checkpoint \
 	  --target $(SCALE_TARGET) --dataset $(SCALE_ALL_DATA) --forward-dtype bfloat16 \
-	  --served-k 3 --out results/hidden-v6
+	  --served-k 3 --out results/$(3)
 	$(VENV)/bin/kvshot bench --k 3 --levels 1 --requests 32 --spread --max-output-tokens 256 \
-	  --target $(SCALE_TARGET) --configs none ngram hidden-v5 hidden-v6 \
-	  --model hidden-v5=$(HIDDEN_V5) --model hidden-v6=$(HIDDEN_V6_RUN)/checkpoint \
-	  --dataset $(SCALE_ALL_DATA) --out bench/results/hidden-v6
+	  --target $(SCALE_TARGET) --configs none ngram $(1) $(3) \
+	  --model $(1)=$(2) --model $(3)=$(4)/checkpoint \
+	  --dataset $(SCALE_ALL_DATA) --out bench/results/$(3)
 	$(VENV)/bin/kvshot bench --k 3 --levels 16 --requests $$(wc -l < $(SCALE_ALL_DATA)/heldout.jsonl) \
-	  --max-output-tokens 1024 --target $(SCALE_TARGET) --configs ngram hidden-v5 hidden-v6 \
-	  --model hidden-v5=$(HIDDEN_V5) --model hidden-v6=$(HIDDEN_V6_RUN)/checkpoint \
-	  --dataset $(SCALE_ALL_DATA) --out bench/results/hidden-v6-heldout
-	$(VENV)/bin/kvshot curve $(HIDDEN_V6_RUN) --out results/curve-hidden-v6
+	  --max-output-tokens 1024 --target $(SCALE_TARGET) --configs ngram $(1) $(3) \
+	  --model $(1)=$(2) --model $(3)=$(4)/checkpoint \
+	  --dataset $(SCALE_ALL_DATA) --out bench/results/$(3)-heldout
+	$(VENV)/bin/kvshot curve $(4) --out results/curve-$(3)
+endef
+train-hidden-v6: data-scale-all $(HIDDEN_V5)/manifest.json
+	$(call train_pass_all,$(HIDDEN_V6_RUN),$(HIDDEN_V5))
+	$(call hidden_version_study,hidden-v5,$(HIDDEN_V5),hidden-v6,$(HIDDEN_V6_RUN))
 
 # And the KV-only drafter's fourth pass, the same way from its shipped third version's run
 # (runs/scale-kv-v3, `make train-kv-v3`), over the same features.
