@@ -363,10 +363,6 @@ class FeatureSet(SplitFeatures):
         self.index = [(s, j) for s, shard in enumerate(self.shards)
                       for j in range(len(shard.prompt_len))]
 
-    def keep_only(self, ids: set[str]) -> None:
-        """Restrict the set to the sequences with these data set ids."""
-        self.index = [pos for pos, sid in zip(self.index, self.params["ids"]) if sid in ids]
-
     def __len__(self) -> int:
         return len(self.index)
 
