@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from kvshot_vllm.allocator import keep_freed_memory
 from kvshot_vllm.errors import KVShotError, first_validation_error
 
 DATA_DIR_HELP = "where kvshot keeps what it builds (default: $KVSHOT_DATA_DIR, else ./data in the checkout)"
@@ -663,6 +664,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    keep_freed_memory()  # training and diagnosis on the CPU stop re-faulting every step's memory
     try:
         args.func(args)
     except KVShotError as exc:
