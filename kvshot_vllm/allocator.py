@@ -22,17 +22,30 @@ M_MMAP_MAX = -4
 ENV_OFF = "KVSHOT_KEEP_FREED_MEMORY"
 
 
+def _glibc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is None or not hasattr(libc, "gnu_get_libc_version"):
+        return None  # another C library (musl, macOS) with its own allocator
+    return libc
+
+
 def keep_freed_memory() -> bool:
     """Make this process's glibc malloc keep freed memory for reuse (no mmap for large blocks,
     no trimming of the heap). Large blocks asked for in another thread's arena fall back to the
     main heap. Returns whether it applied: not off glibc, nor with KVSHOT_KEEP_FREED_MEMORY=0."""
-    if os.environ.get(ENV_OFF, "1") == "0":
+    libc = _glibc()
+    if os.environ.get(ENV_OFF, "1") == "0" or libc is None:
         return False
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    libc = ctypes.CDLL(name)
-    if not hasattr(libc, "mallopt") or not hasattr(libc, "gnu_get_libc_version"):
-        return False  # another C library (musl, macOS) with its own allocator
     # mallopt returns 1 on success; the trim threshold is an int, so its largest value
     return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+
+
+def release_freed_memory() -> None:
+    """Hand the kept heap's free pages back to the kernel (glibc's malloc_trim). Steps of other
+    sizes leave free fragments that a kept heap would hold resident for the rest of a run, so a
+    long training run's memory kept growing; released at every checkpoint, they cost one step's
+    faults per checkpoint instead."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)

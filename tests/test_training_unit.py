@@ -555,34 +555,44 @@ def test_soft_targets_of_a_sure_teacher_give_the_chains_hard_loss(paradigm: str)
 # minor page faults the loop took. Run in a fresh process per setting (mallopt is per process).
 _ALLOCATE_AND_FREE = """
 import resource, sys, torch
-from kvshot_vllm.allocator import keep_freed_memory
-applied = keep_freed_memory()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(20):
+from kvshot_vllm.allocator import keep_freed_memory, release_freed_memory
+def resident_mib():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+def step():
     tensors = [torch.ones(int(n)) for n in (4e6, 9e6, 1e6, 2.5e6)]
     sum(t.sum() for t in tensors)
-    del tensors
-print(applied, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+applied = keep_freed_memory()
+step()  # the first step faults its pages in either way
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(20):
+    step()
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+kept = resident_mib()
+release_freed_memory()
+print(applied, faults, round(kept - resident_mib()))
 """
 
 
 def test_kept_freed_memory_is_not_faulted_in_again() -> None:
     """`keep_freed_memory` (what every kvshot command runs first): tensors of a training step,
     freed and allocated again, reuse their pages instead of faulting in fresh zeroed ones, as
-    glibc's default mmap of large blocks does; KVSHOT_KEEP_FREED_MEMORY=0 leaves the default."""
+    glibc's default mmap of large blocks does; KVSHOT_KEEP_FREED_MEMORY=0 leaves the default.
+    `release_freed_memory` hands the kept pages back."""
     import os
     import subprocess
     import sys
 
-    def faults(keep: str) -> tuple[str, int]:
+    def faults(keep: str) -> tuple[str, int, int]:
         out = subprocess.run([sys.executable, "-c", _ALLOCATE_AND_FREE], check=True,
                              capture_output=True, text=True,
                              env={**os.environ, "KVSHOT_KEEP_FREED_MEMORY": keep}).stdout
-        applied, count = out.split()
-        return applied, int(count)
+        applied, count, released_mib = out.split()
+        return applied, int(count), int(released_mib)
 
-    (applied, kept), (default_applied, default) = faults("1"), faults("0")
+    (applied, kept, released), (default_applied, default, _) = faults("1"), faults("0")
     assert (applied, default_applied) == ("True", "False")
+    # the kept 66 MB go back to the kernel when released (at every training checkpoint)
+    assert released > 40, released
     # 66 MB, 16,000 pages a round: about 10,000 of them faulted in again each round by default
     # (glibc raises its mmap threshold past some sizes as they are freed), few once kept
     assert default > 20 * 5_000, default

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from kvshot_vllm.allocator import release_freed_memory
 from kvshot_vllm.errors import KVShotError
 from kvshot_vllm.models.budget import KVBudget
 from kvshot_vllm.models.config import DrafterConfig, validated
@@ -514,6 +515,7 @@ class Trainer:
                     window = []
                 if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps:
                     self.save()
+                    release_freed_memory()
                 if cfg.snapshot_every and (self.step % cfg.snapshot_every == 0
                                            or self.step == cfg.steps):
                     self.snapshot()
