@@ -662,9 +662,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Commands that run torch in this process step after step: they keep the memory they free
+# (allocator.py). Not those that start vLLM engines, whose processes may fork from this one.
+TORCH_COMMANDS = {cmd_train, cmd_diagnose, cmd_curve, cmd_study}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    keep_freed_memory()  # training and diagnosis on the CPU stop re-faulting every step's memory
+    if args.func in TORCH_COMMANDS:
+        keep_freed_memory()
     try:
         args.func(args)
     except KVShotError as exc:
