@@ -574,9 +574,10 @@ print(applied, faults, round(kept - resident_mib()))
 
 
 def test_kept_freed_memory_is_not_faulted_in_again() -> None:
-    """`keep_freed_memory` (what kvshot train, diagnose, curve and study run first): tensors of a training step,
-    freed and allocated again, reuse their pages instead of faulting in fresh zeroed ones, as
-    glibc's default mmap of large blocks does; KVSHOT_KEEP_FREED_MEMORY=0 leaves the default.
+    """`keep_freed_memory` (what kvshot train, diagnose, curve and study run first): tensors
+    of a training step, freed and allocated again, reuse their pages instead of faulting in
+    fresh zeroed ones, as glibc's default mmap of large blocks does;
+    KVSHOT_KEEP_FREED_MEMORY=0 leaves the default.
     `release_freed_memory` hands the kept pages back."""
     import os
     import subprocess
