@@ -84,6 +84,7 @@ SHIPPED_COMMIT_hidden-v1 = 265a147
 SHIPPED_COMMIT_hidden-v2 = 2888cf0
 SHIPPED_COMMIT_hidden-v4 = fd368c4
 SHIPPED_COMMIT_hidden-v5 = 8096653
+SHIPPED_COMMIT_hidden-v6 = 2b77587
 SHIPPED_COMMIT_kv-v1 = b1825b5
 SHIPPED_COMMIT_kv-v2 = 6f34b91
 SHIPPED_COMMIT_hybrid-v2 = 4277072
@@ -263,11 +264,14 @@ train-hidden-v5: data-scale-8k $(HIDDEN_V4)/manifest.json
 # depend on the concurrency). The learning curve last: its 17 snapshots take over an hour, and
 # a killed curve continues.
 HIDDEN_V5 = $(KVSHOT_DATA_DIR)/drafters/hidden-v5
+HIDDEN_V6 = $(KVSHOT_DATA_DIR)/drafters/hidden-v6
 HIDDEN_V6_RUN = $(KVSHOT_DATA_DIR)/runs/scale-all-hidden-v6
+HIDDEN_V7_RUN = $(KVSHOT_DATA_DIR)/runs/scale-all-hidden-v7
+HYBRID_V7_RUN = $(KVSHOT_DATA_DIR)/runs/scale-all-hybrid-v7
 STEPS_ALL = $$(( $$(wc -l < $(SCALE_ALL_DATA)/train.jsonl) / 8 ))
-# One hidden-only pass over data-scale-all's set: $(1) the run, $(2) what it starts from (--init),
-# $(3) more train options.
-train_pass_all = nice -n 10 $(VENV)/bin/kvshot train --paradigm hidden --init $(2) --preset full \
+# One pass over data-scale-all's set: $(1) the run, $(2) what it starts from (--init), $(3) the
+# paradigm and more train options.
+train_pass_all = nice -n 10 $(VENV)/bin/kvshot train $(3) --init $(2) --preset full \
 	  --steps $(STEPS_ALL) --target $(SCALE_TARGET) --dataset $(SCALE_ALL_DATA) \
 	  --forward-dtype bfloat16 --features live --snapshot-every 160 $(3) --out $(1)
 # A new hidden-only version ($(3), run $(4)) beside the one it started from ($(1) at $(2)) on
@@ -288,8 +292,26 @@ define hidden_version_study
 	$(VENV)/bin/kvshot curve $(4) --out results/curve-$(3)
 endef
 train-hidden-v6: data-scale-all $(HIDDEN_V5)/manifest.json
-	$(call train_pass_all,$(HIDDEN_V6_RUN),$(HIDDEN_V5))
+	$(call train_pass_all,$(HIDDEN_V6_RUN),$(HIDDEN_V5),--paradigm hidden)
 	$(call hidden_version_study,hidden-v5,$(HIDDEN_V5),hidden-v6,$(HIDDEN_V6_RUN))
+
+# The seventh version: a second pass over the same set from the shipped sixth (restored from
+# git), with a fresh cosine schedule (each earlier pass from the second version on gained with
+# one) and another order of the batches (--seed 1).
+train-hidden-v7: data-scale-all $(HIDDEN_V6)/manifest.json
+	$(call train_pass_all,$(HIDDEN_V7_RUN),$(HIDDEN_V6),--paradigm hidden --seed 1)
+	$(call hidden_version_study,hidden-v6,$(HIDDEN_V6),hidden-v7,$(HIDDEN_V7_RUN))
+
+# Issue 12's KV-reuse comparison at this budget: the one-layer hybrid (the shipped hybrid's
+# design, reading target layer 29) warm-started from the same sixth version, its EAGLE-3 layer
+# copied, its cross branch and gate fresh, on exactly the seventh version's batches. The two then
+# differ in the paradigm alone, on the same training tokens; diagnosed side by side.
+train-hybrid-v7: data-scale-all $(HIDDEN_V6)/manifest.json
+	$(call train_pass_all,$(HYBRID_V7_RUN),$(HIDDEN_V6),--paradigm hybrid --kv-layers 29 --seed 1)
+	test -f $(HIDDEN_V7_RUN)/checkpoint/model.safetensors || $(MAKE) train-hidden-v7
+	$(VENV)/bin/kvshot diagnose hidden-v7=$(HIDDEN_V7_RUN)/checkpoint \
+	  hybrid-v7=$(HYBRID_V7_RUN)/checkpoint --target $(SCALE_TARGET) --dataset $(SCALE_ALL_DATA) \
+	  --forward-dtype bfloat16 --served-k 3 --out results/hybrid-v7
 
 # And the KV-only drafter's fourth pass, the same way from its shipped third version's run
 # (runs/scale-kv-v3, `make train-kv-v3`), over the same features.
