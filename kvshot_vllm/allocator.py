@@ -4,8 +4,9 @@ By default glibc serves every allocation above its mmap threshold (128 KiB, risi
 32 MiB) with a fresh mmap and unmaps it on free. A CPU training step allocates and frees
 hundreds of such tensors (activations, attention scores, logits over the draft vocabulary),
 so each step faults every one of their pages in again, zeroed by the kernel. With mmap off and
-the heap never trimmed, freed pages are reused as they are; the process keeps its peak
-footprint instead of returning it between steps. `python bench/train_allocator.py` measures
+the heap trimmed only when asked (training does at every checkpoint), freed pages are reused
+as they are; between trims the process keeps its peak footprint instead of returning it after
+every step. `python bench/train_allocator.py` measures
 both side by side on real training runs: faults, time in the kernel, step time, peak memory.
 """
 
