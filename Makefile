@@ -29,8 +29,8 @@ test-slow: setup
 # up to 2 user turns each, every earlier reply the target's own: about 0.7M response tokens,
 # what one ~90-minute training budget on 2 cores goes through several times
 # (docs/training-at-scale.md). About an hour on 2 cores; resumable: rerun the same command
-# after a kill. `nice` leaves the machine usable beside it. Compiled: 1.4x eager in bf16, at the price that a resumed
-# run is not bit-equal to an uninterrupted one.
+# after a kill. `nice` leaves the machine usable beside it. Compiled: 1.4x eager in bf16, at the
+# price that a resumed run is not bit-equal to an uninterrupted one.
 SCALE_TARGET = $(KVSHOT_DATA_DIR)/targets/SmolLM2-135M-Instruct-float32
 SCALE_DATA = $(KVSHOT_DATA_DIR)/datasets/sharegpt-2k-2turns
 data-scale: setup
@@ -273,7 +273,7 @@ STEPS_ALL = $$(( $$(wc -l < $(SCALE_ALL_DATA)/train.jsonl) / 8 ))
 # paradigm and more train options.
 train_pass_all = nice -n 10 $(VENV)/bin/kvshot train $(3) --init $(2) --preset full \
 	  --steps $(STEPS_ALL) --target $(SCALE_TARGET) --dataset $(SCALE_ALL_DATA) \
-	  --forward-dtype bfloat16 --features live --snapshot-every 160 $(3) --out $(1)
+	  --forward-dtype bfloat16 --features live --snapshot-every 160 --out $(1)
 # A new hidden-only version ($(3), run $(4)) beside the one it started from ($(1) at $(2)) on
 # data-scale-all's held-out split: diagnosed with vLLM's counters simulated at k = 3, served for
 # TPOT at c = 1, served over the whole split for the acceptance goal, then its learning curve.

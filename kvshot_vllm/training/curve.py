@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from kvshot_vllm.allocator import release_freed_memory
 from kvshot_vllm.errors import KVShotError
 from kvshot_vllm.models.files import MANIFEST
 from kvshot_vllm.training.diagnostics import stepwise_acceptance
@@ -113,6 +114,7 @@ def learning_curve(run_dir: Path, target_dir: Path, heldout: SplitFeatures,
             partial = kept.with_suffix(".partial")
             partial.write_text(json.dumps({"key": key, "acceptance": acceptance}))
             partial.rename(kept)
+            release_freed_memory()  # a snapshot's freed tensors, before the next one's sizes
         rows.append({"step": step, "checkpoint": str(ckpt), **run_tokens(run_dir, step),
                      **acceptance})
     return rows
