@@ -6,14 +6,15 @@ hundreds of such tensors (activations, attention scores, logits over the draft v
 so each step faults every one of their pages in again, zeroed by the kernel. With mmap off and
 the heap trimmed only when asked (training does at every checkpoint), freed pages are reused
 as they are; between trims the process keeps its peak footprint instead of returning it after
-every step. `python bench/train_allocator.py` measures
-both side by side on real training runs: faults, time in the kernel, step time, peak memory.
+every step. `python bench/train_allocator.py` measures both side by side on real training
+runs: faults, time in the kernel, step time, peak memory.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 
 # mallopt parameters (malloc.h)
@@ -23,7 +24,10 @@ M_MMAP_MAX = -4
 ENV_OFF = "KVSHOT_KEEP_FREED_MEMORY"
 
 
+@functools.cache
 def _glibc() -> ctypes.CDLL | None:
+    """The C library, looked up once (find_library runs ldconfig, and training releases memory
+    at every checkpoint)."""
     name = ctypes.util.find_library("c")
     libc = ctypes.CDLL(name) if name else None
     if libc is None or not hasattr(libc, "gnu_get_libc_version"):
