@@ -260,7 +260,8 @@ train-hidden-v5: data-scale-8k $(HIDDEN_V4)/manifest.json
 # conversations with their later turns: TPOT at c = 1 over 32 prompts spread over the split
 # (the first 16 that earlier versions were compared on are all first turns, and accept less
 # than the split: bench/results/served_sample.md), and for issue 12's acceptance goal the whole
-# split, every held-out prompt once with its whole response, at c = 16 (vLLM's counters do not
+# split, every held-out prompt once with its whole response, at c = 16, drafting at every batch
+# size (the serving configs draft only while one request decodes; vLLM's counters then do not
 # depend on the concurrency). The learning curve last: its 17 snapshots take over an hour, and
 # a killed curve continues.
 HIDDEN_V5 = $(KVSHOT_DATA_DIR)/drafters/hidden-v5
@@ -286,7 +287,7 @@ define hidden_version_study
 	  --model $(1)=$(2) --model $(3)=$(4)/checkpoint \
 	  --dataset $(SCALE_ALL_DATA) --out bench/results/$(3)
 	$(VENV)/bin/kvshot bench --k 3 --levels 16 --requests $$(wc -l < $(SCALE_ALL_DATA)/heldout.jsonl) \
-	  --max-output-tokens 1024 --target $(SCALE_TARGET) --configs ngram $(1) $(3) \
+	  --draft-at-every-batch-size --max-output-tokens 1024 --target $(SCALE_TARGET) --configs ngram $(1) $(3) \
 	  --model $(1)=$(2) --model $(3)=$(4)/checkpoint \
 	  --dataset $(SCALE_ALL_DATA) --out bench/results/$(3)-heldout
 	$(VENV)/bin/kvshot curve $(4) --out results/curve-$(3)

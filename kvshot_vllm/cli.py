@@ -355,7 +355,7 @@ def cmd_bench(a: argparse.Namespace) -> None:
             raise KVShotError(f"--model wants NAME=CHECKPOINT, got {spec!r}")
         models[name] = path
     configs = load_configs(a.configs, Path(a.configs_dir), a.k, models,
-                           Path(a.sweep) if a.sweep else None)
+                           Path(a.sweep) if a.sweep else None, a.draft_at_every_batch_size)
     if a.port is not None and len(configs) > 1:
         print("note: one --port for all configurations, used one after the other")
     prompts = load_prompts(dataset, max_out, spread=requests if a.spread else None)
@@ -650,6 +650,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--spread", action="store_true",
                    help="send --requests held-out prompts evenly spaced over the split, not its "
                    "first ones (in a multi-turn set those are all first turns)")
+    p.add_argument("--draft-at-every-batch-size", action="store_true",
+                   help="drop the configs' batch-size schedule (they draft only while one "
+                   "request decodes), so that acceptance is measured at every level")
     p.add_argument("--repeats", type=int, help="runs of every level per server (default 1)")
     p.add_argument("--max-output-tokens", type=int,
                    help="cap on each response length (default 128; --quick: 32)")

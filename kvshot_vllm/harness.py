@@ -73,13 +73,15 @@ class BenchConfig:
 
 
 def load_configs(names: list[str], configs_dir: Path, k: int,
-                 models: dict[str, str] | None = None, sweep: Path | None = None
-                 ) -> dict[str, BenchConfig]:
+                 models: dict[str, str] | None = None, sweep: Path | None = None,
+                 every_batch_size: bool = False) -> dict[str, BenchConfig]:
     """Configurations by name: "none", "ngram", "eagle3" (configs_dir/hidden.json served by
     stock vLLM), any configs_dir/NAME.json, or a name of the sweep file (a JSON object of
     name -> speculative config). `models` replaces a configuration's drafter checkpoint; a name
     that only `models` knows is served as configs_dir's config of its checkpoint's paradigm
-    (two versions of a drafter side by side, with no sweep file)."""
+    (two versions of a drafter side by side, with no sweep file). `every_batch_size` drops a
+    batch-size schedule, so that a drafter drafts k at every concurrency: what measuring its
+    acceptance over many requests at once needs."""
     available = {}
     if sweep is not None:
         if not Path(sweep).is_file():
@@ -105,7 +107,9 @@ def load_configs(names: list[str], configs_dir: Path, k: int,
         if spec is not None:
             spec["num_speculative_tokens"] = k
             # a batch-size schedule (vLLM's dynamic speculation) drafts k where it drafts at all
-            if spec.get("num_speculative_tokens_per_batch_size"):
+            if every_batch_size:
+                spec.pop("num_speculative_tokens_per_batch_size", None)
+            elif spec.get("num_speculative_tokens_per_batch_size"):
                 spec["num_speculative_tokens_per_batch_size"] = [
                     [lo, hi, k if n else 0]
                     for lo, hi, n in spec["num_speculative_tokens_per_batch_size"]]

@@ -208,10 +208,18 @@ def test_goal_lines_judge_each_goal_from_the_run() -> None:
 
 def test_a_batch_size_schedule_drafts_the_bench_k() -> None:
     """The shipped configs speculate only at small batch sizes (vLLM's
-    num_speculative_tokens_per_batch_size); `--k` sets how many tokens they draft there."""
+    num_speculative_tokens_per_batch_size); `--k` sets how many tokens they draft there, and
+    `--draft-at-every-batch-size` drops the schedule."""
     spec = load_configs(["hybrid"], Path("serving_configs"), 5)["hybrid"].speculative
     assert spec["num_speculative_tokens"] == 5
     assert spec["num_speculative_tokens_per_batch_size"] == [[1, 1, 5], [2, 2, 0]]
+    # measuring acceptance over many requests at once: k at every batch size
+    everywhere = load_configs(["hybrid", "ngram"], Path("serving_configs"), 5,
+                              every_batch_size=True)
+    assert "num_speculative_tokens_per_batch_size" not in everywhere["hybrid"].speculative
+    assert everywhere["hybrid"].speculative["num_speculative_tokens"] == 5
+    assert everywhere["ngram"].speculative == load_configs(
+        ["ngram"], Path("serving_configs"), 5)["ngram"].speculative
 
 
 def test_a_new_name_for_a_checkpoint_serves_its_paradigms_config(tmp_path) -> None:
