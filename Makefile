@@ -306,13 +306,19 @@ train-hidden-v7: data-scale-all $(HIDDEN_V6)/manifest.json
 # Issue 12's KV-reuse comparison at this budget: the one-layer hybrid (the shipped hybrid's
 # design, reading target layer 29) warm-started from the same sixth version, its EAGLE-3 layer
 # copied, its cross branch and gate fresh, on exactly the seventh version's batches. The two then
-# differ in the paradigm alone, on the same training tokens; diagnosed side by side.
+# differ in the paradigm alone, on the same training tokens; diagnosed side by side, then served
+# at c = 1 beside stock EAGLE-3 serving the seventh version (issue 13: a plugin drafter above
+# stock EAGLE-3 with the hidden-only drafter trained as far).
 train-hybrid-v7: data-scale-all $(HIDDEN_V6)/manifest.json
 	$(call train_pass_all,$(HYBRID_V7_RUN),$(HIDDEN_V6),--paradigm hybrid --kv-layers 29 --seed 1)
 	test -f $(HIDDEN_V7_RUN)/checkpoint/model.safetensors || $(MAKE) train-hidden-v7
 	$(VENV)/bin/kvshot diagnose hidden-v7=$(HIDDEN_V7_RUN)/checkpoint \
 	  hybrid-v7=$(HYBRID_V7_RUN)/checkpoint --target $(SCALE_TARGET) --dataset $(SCALE_ALL_DATA) \
 	  --forward-dtype bfloat16 --served-k 3 --out results/hybrid-v7
+	$(VENV)/bin/kvshot bench --k 3 --levels 1 --requests 32 --spread --max-output-tokens 256 \
+	  --target $(SCALE_TARGET) --configs none ngram eagle3 hybrid-v7 \
+	  --model eagle3=$(HIDDEN_V7_RUN)/checkpoint --model hybrid-v7=$(HYBRID_V7_RUN)/checkpoint \
+	  --dataset $(SCALE_ALL_DATA) --out bench/results/hybrid-v7
 
 # And the KV-only drafter's fourth pass, the same way from its shipped third version's run
 # (runs/scale-kv-v3, `make train-kv-v3`), over the same features.
