@@ -218,7 +218,7 @@ def cmd_train(a: argparse.Namespace) -> None:
                        draft_vocab_size=a.draft_vocab_size, checkpoint_every=a.checkpoint_every,
                        snapshot_every=a.snapshot_every, multi_view=_multi_view(a),
                        objective=a.objective, train=a.train_only,
-                       soft_targets=a.soft_targets)
+                       soft_targets=a.soft_targets, seed=a.seed)
     data_dir, target, datasets = _training_sets(a, a.dataset)
     if a.mix is not None and len(a.mix) != len(datasets):
         raise KVShotError(f"--mix takes one weight per --dataset: {len(datasets)} data sets, "
@@ -512,6 +512,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, help="optimizer steps (default: the preset's)")
     p.add_argument("--batch-size", type=int, help="sequences per step (default: the preset's)")
     p.add_argument("--lr", type=float)
+    p.add_argument("--seed", type=int, help="the order of the batches and a fresh drafter's "
+                   "weights (default 0): another pass over the same data in another order")
     p.add_argument("--draft-vocab-size", type=int)
     p.add_argument("--checkpoint-every", type=int, help="steps between checkpoints (state.pt "
                    "and the servable checkpoint; default: the preset's)")

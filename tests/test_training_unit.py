@@ -154,6 +154,16 @@ def test_shifted_labels_and_schedule() -> None:
         if bucket == 1:
             random_spread = spread
     assert spread < random_spread / 2  # bucketed batches pad much less
+    # `kvshot train --seed 1`: the same sequences in another order (a further pass, reordered)
+    from kvshot_vllm.cli import build_parser
+    from kvshot_vllm.training.pipeline import train_config
+    args = build_parser().parse_args(["train", "--paradigm", "hidden", "--preset", "full",
+                                      "--seed", "1"])
+    reseeded = train_config(args.preset, seed=args.seed)
+    assert reseeded.seed == 1 and train_config("full").seed == 0
+    again = [batch_order(lengths, reseeded, s) for s in range(8)]
+    assert sorted(i for b in again for i in b) == list(range(64))
+    assert again != [batch_order(lengths, train_config("full"), s) for s in range(8)]
 
 
 class _Lengths:
