@@ -488,7 +488,33 @@ def report_lines(data: dict) -> list[str]:
         proposals = int(sum(row.get("drafts") or 0 for row in r["levels"].values()))
         lines.append(f"| {name} | {r['drafter_kv_bytes_per_token']} | {proposals or '-'} | "
                      + (" / ".join(f"{x:.3f}" for x in per_pos) or "-") + " |")
-    return lines + goal_lines(data["configurations"])
+    return lines + schedule_lines(data["configurations"]) + goal_lines(data["configurations"])
+
+
+def schedule_lines(results: dict[str, dict]) -> list[str]:
+    """A note for every configuration whose batch-size schedule drafts nothing at a full batch
+    of some level run: there its MAT and acceptance say little of the drafter."""
+    notes = []
+    for name, r in results.items():
+        schedule = (r.get("speculative_config") or {}).get(
+            "num_speculative_tokens_per_batch_size")
+        idle = [level for level in r["levels"]
+                if schedule and scheduled_tokens(schedule, int(level)) == 0]
+        if idle:
+            notes.append(f"{name}'s num_speculative_tokens_per_batch_size drafts nothing at "
+                         f"a full batch of c = {', '.join(idle)}, so there it drafted only while "
+                         "fewer requests were running; `--draft-at-every-batch-size` drops it.")
+    return ["", "Batch-size schedules: " + " ".join(notes)] if notes else []
+
+
+def scheduled_tokens(schedule: list[list[int]], batch_size: int) -> int:
+    """The draft tokens vLLM's dynamic speculation gives a batch of `batch_size`: the range
+    holding it, else the last range before it (gaps and the tail carry K forward), else 0."""
+    before = [entry for entry in schedule if entry[0] <= batch_size]
+    inside = [n for lo, hi, n in before if batch_size <= hi]
+    if inside:
+        return inside[0]
+    return max(before, key=lambda entry: entry[1])[2] if before else 0
 
 
 def steps_cell(row: dict) -> str:

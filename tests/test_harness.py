@@ -13,7 +13,8 @@ import pytest
 from kvshot_vllm.engine import default_dtype
 from kvshot_vllm.errors import KVShotError
 from kvshot_vllm.harness import (SweepArgs, acceptance, bench_config, load_configs, load_prompts,
-                                 run_bench, run_load, scrape_counters, vllm_bench_serve)
+                                 run_bench, run_load, schedule_lines, scheduled_tokens,
+                                 scrape_counters, vllm_bench_serve)
 from kvshot_vllm.server import VLLMServer, free_port, serve_command
 from kvshot_vllm.models.weights import init_checkpoint
 from tests.conftest import assert_one_line_error, run_kvshot
@@ -207,9 +208,10 @@ def test_goal_lines_judge_each_goal_from_the_run() -> None:
 
 
 def test_a_batch_size_schedule_drafts_the_bench_k() -> None:
-    """The shipped configs speculate only at small batch sizes (vLLM's
-    num_speculative_tokens_per_batch_size); `--k` sets how many tokens they draft there, and
-    `--draft-at-every-batch-size` drops the schedule."""
+    """The shipped KV-reuse and block configs speculate only at small batch sizes (vLLM's
+    num_speculative_tokens_per_batch_size); `--k` sets how many tokens they draft there,
+    `--draft-at-every-batch-size` drops the schedule, and a report says where it held a
+    configuration back."""
     spec = load_configs(["hybrid"], Path("serving_configs"), 5)["hybrid"].speculative
     assert spec["num_speculative_tokens"] == 5
     assert spec["num_speculative_tokens_per_batch_size"] == [[1, 1, 5], [2, 2, 0]]
@@ -220,6 +222,20 @@ def test_a_batch_size_schedule_drafts_the_bench_k() -> None:
     assert everywhere["hybrid"].speculative["num_speculative_tokens"] == 5
     assert everywhere["ngram"].speculative == load_configs(
         ["ngram"], Path("serving_configs"), 5)["ngram"].speculative
+    # vLLM's lookup: the range holding the batch size, else the last range before it
+    assert [scheduled_tokens(spec["num_speculative_tokens_per_batch_size"], b)
+            for b in (1, 2, 16)] == [5, 0, 0]
+    assert [scheduled_tokens([[1, 2, 3], [5, 5, 0]], b) for b in (3, 4, 5, 9)] == [3, 3, 0, 0]
+    assert [scheduled_tokens([[2, 4, 3]], b) for b in (1, 2, 9)] == [0, 3, 3]
+    # and a report says where a schedule kept a configuration from drafting
+    levels = {"1": {}, "4": {}, "16": {}}
+    results = {"hybrid": {"speculative_config": spec, "levels": levels},
+               "everywhere": {"speculative_config": everywhere["hybrid"].speculative,
+                              "levels": levels},
+               "none": {"speculative_config": None, "levels": levels}}
+    note = schedule_lines(results)
+    assert len(note) == 2 and "hybrid's" in note[1] and "c = 4, 16," in note[1]
+    assert "everywhere" not in note[1]
 
 
 def test_a_new_name_for_a_checkpoint_serves_its_paradigms_config(tmp_path) -> None:
