@@ -261,8 +261,8 @@ train-hidden-v5: data-scale-8k $(HIDDEN_V4)/manifest.json
 # (the first 16 that earlier versions were compared on are all first turns, and accept less
 # than the split: bench/results/served_sample.md), and for issue 12's acceptance goal the whole
 # split, every held-out prompt once with its whole response, at c = 16, drafting at every batch
-# size (the serving configs draft only while one request decodes; vLLM's counters then do not
-# depend on the concurrency). The learning curve last: its 17 snapshots take over an hour, and
+# size (a serving config may draft only while one request decodes; vLLM's counters then do
+# not depend on the concurrency). The learning curve last: its 17 snapshots take over an hour, and
 # a killed curve continues.
 HIDDEN_V5 = $(KVSHOT_DATA_DIR)/drafters/hidden-v5
 HIDDEN_V6 = $(KVSHOT_DATA_DIR)/drafters/hidden-v6
