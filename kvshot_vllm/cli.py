@@ -653,8 +653,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="send --requests held-out prompts evenly spaced over the split, not its "
                    "first ones (in a multi-turn set those are all first turns)")
     p.add_argument("--draft-at-every-batch-size", action="store_true",
-                   help="drop the configs' batch-size schedule (they draft only while one "
-                   "request decodes), so that acceptance is measured at every level")
+                   help="drop the configs' batch-size schedules (the shipped KV-reuse and "
+                   "block configs draft only while one request decodes), so that acceptance is "
+                   "measured at every level")
     p.add_argument("--repeats", type=int, help="runs of every level per server (default 1)")
     p.add_argument("--max-output-tokens", type=int,
                    help="cap on each response length (default 128; --quick: 32)")

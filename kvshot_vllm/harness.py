@@ -106,9 +106,9 @@ def load_configs(names: list[str], configs_dir: Path, k: int,
             spec, plugin = json.loads(file.read_text()), name != STOCK_EAGLE3
         if spec is not None:
             spec["num_speculative_tokens"] = k
-            # a batch-size schedule (vLLM's dynamic speculation) drafts k where it drafts at all
             if every_batch_size:
                 spec.pop("num_speculative_tokens_per_batch_size", None)
+            # a batch-size schedule (vLLM's dynamic speculation) drafts k where it drafts at all
             elif spec.get("num_speculative_tokens_per_batch_size"):
                 spec["num_speculative_tokens_per_batch_size"] = [
                     [lo, hi, k if n else 0]
