@@ -46,10 +46,12 @@ def _add_drafter_options(p: argparse.ArgumentParser) -> None:
 
 
 def _drafter_options(a: argparse.Namespace) -> dict:
-    """The options of `_add_drafter_options` that were given, as DrafterConfig fields."""
+    """The options of `_add_drafter_options` that were given, and --draft-vocab-size (each
+    command says how it chooses the vocabulary), as DrafterConfig fields."""
     options = {"paradigm": a.paradigm, "num_layers": a.num_layers, "kv_layers": a.kv_layers,
                "kv_projection": a.kv_projection, "reapply_rope": a.reapply_rope or None,
-               "gate_init": a.gate_init, "ssm_state_size": a.ssm_state_size}
+               "gate_init": a.gate_init, "ssm_state_size": a.ssm_state_size,
+               "draft_vocab_size": a.draft_vocab_size}
     return {k: v for k, v in options.items() if v is not None}
 
 
@@ -131,8 +133,7 @@ def cmd_drafter_init(a: argparse.Namespace) -> None:
     from kvshot_vllm.models.weights import init_checkpoint
 
     _, target = _target_arg(a)
-    vocab = {"draft_vocab_size": a.draft_vocab_size} if a.draft_vocab_size else {}
-    out = init_checkpoint(target, Path(a.out), seed=a.seed, **_drafter_options(a), **vocab)
+    out = init_checkpoint(target, Path(a.out), seed=a.seed, **_drafter_options(a))
     print(f"drafter: {out} ({a.paradigm}, untrained)")
 
 
@@ -514,7 +515,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float)
     p.add_argument("--seed", type=int, help="the order of the batches and a fresh drafter's "
                    "weights (default 0): another pass over the same data in another order")
-    p.add_argument("--draft-vocab-size", type=int)
+    p.add_argument("--draft-vocab-size", type=int,
+                   help="draft vocabulary: the N tokens most frequent in the training responses "
+                   "(default: the preset's, or the warm start's; a larger one grows the warm "
+                   "start's by the most frequent others, its trained rows kept)")
     p.add_argument("--checkpoint-every", type=int, help="steps between checkpoints (state.pt "
                    "and the servable checkpoint; default: the preset's)")
     p.add_argument("--soft-targets", type=int, metavar="K",

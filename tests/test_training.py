@@ -202,7 +202,16 @@ def test_live_features_equal_cached_ones(target_fp32, dataset, train_features,
     unread = open_features(live.path)
     warm = _trainer(tmp_path / "live-warm", target_fp32, unread, "kv", init=run / "checkpoint")
     assert unread._model is None
-    assert torch.equal(warm.drafter.d2t, load_drafter(run / "checkpoint", target_fp32).d2t)
+    shipped = load_drafter(run / "checkpoint", target_fp32)
+    assert torch.equal(warm.drafter.d2t, shipped.d2t)
+    # A larger one grows it by the data set's response tokens: still no target forward.
+    size = 2 * len(shipped.d2t)
+    grown = _trainer(tmp_path / "live-grown", target_fp32, unread, "kv", init=run / "checkpoint",
+                     draft_vocab_size=size)
+    assert unread._model is None and len(grown.drafter.d2t) == size
+    kept = grown.drafter.draft_ids()[shipped.target_ids(torch.arange(len(shipped.d2t)))]
+    assert (kept >= 0).all()
+    torch.testing.assert_close(grown.drafter.lm_head.weight[kept], shipped.lm_head.weight)
 
 
 def test_oracle_is_accepted_offline(data_dir, target_fp32, dataset, tmp_path) -> None:

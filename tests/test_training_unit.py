@@ -291,6 +291,39 @@ def test_warm_start_reads_eagle3_checkpoint_names(tmp_path) -> None:
     assert torch.equal(hybrid.merge.gate, gate)
 
 
+def test_a_warm_start_grows_its_draft_vocabulary(tmp_path) -> None:
+    """`--draft-vocab-size` above a warm start's: its tokens stay, the most frequent others
+    join, each trained lm_head row moves to its token's new draft id, and the new rows keep
+    their fresh values. A vocabulary that drops one of its tokens is refused."""
+    from safetensors.torch import save_file
+
+    from kvshot_vllm.training.ttt import grown_vocabulary, warm_start
+
+    small = tiny_drafter("hidden", draft_vocab_size=20)
+    tokens = torch.arange(1, 41, 2)  # the odd ones
+    small.d2t.copy_(tokens - torch.arange(20))
+    save_file({n: t.contiguous() for n, t in small.checkpoint_weights().items()},
+              tmp_path / "model.safetensors")
+    counts = torch.arange(TINY.vocab_size).flip(0)  # token 0 the most frequent
+    grown = grown_vocabulary(small.d2t, 30, counts)
+    ids = torch.arange(30) + grown
+    assert ids.tolist() == sorted(set(tokens.tolist()) | set(range(0, 20, 2)))
+    big = tiny_drafter("hidden", draft_vocab_size=30)
+    big.d2t.copy_(grown)
+    fresh_rows = big.lm_head.weight.detach().clone()
+    fresh = warm_start(big, tmp_path)
+    assert "lm_head.weight" not in fresh and torch.equal(big.d2t, grown)
+    moved = big.draft_ids()[tokens]
+    torch.testing.assert_close(big.lm_head.weight[moved], small.lm_head.weight)
+    new = torch.ones(30, dtype=torch.bool)
+    new[moved] = False
+    assert torch.equal(big.lm_head.weight[new], fresh_rows[new])
+    torch.testing.assert_close(big.fc.weight, small.fc.weight)
+    other = tiny_drafter("hidden", draft_vocab_size=30)  # tokens 0..29: no 31..39
+    with pytest.raises(KVShotError, match="does not hold"):
+        warm_start(other, tmp_path)
+
+
 def test_report_compares_retention_only_where_chains_suffice() -> None:
     from kvshot_vllm.training.diagnostics import MIN_CHAINS, report_lines, summarize
 

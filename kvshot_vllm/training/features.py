@@ -332,6 +332,16 @@ class SplitFeatures:
         self.kv_layers = list(self.params["kv_layers"])
         self.aux_layers = list(self.params["aux_layers"])
 
+    def response_token_counts(self, vocab_size: int) -> torch.Tensor:
+        """How often each token occurs in the split's responses, read from its data set: the
+        target's greedy tokens as regenerated, counted with no forward (`response_labels`, the
+        features' own, differ where a near-tie flipped)."""
+        counts = torch.zeros(vocab_size, dtype=torch.long)
+        for _, ids, prompt_len in sequences(Path(self.params["dataset"]), self.params["split"],
+                                            self.params["max_len"]):
+            counts += torch.bincount(torch.tensor(ids[prompt_len:]), minlength=vocab_size)
+        return counts
+
     def check_layers(self, aux_layers: list[int], kv_layers: list[int], uses_aux: bool) -> None:
         missing = sorted(set(kv_layers) - set(self.kv_layers))
         if missing:

@@ -70,7 +70,8 @@ def train_config(preset: str, **overrides) -> TrainConfig:
 
 def drafter_config(target_dir: Path, cfg: TrainConfig, init: Path | None = None,
                    **options) -> DrafterConfig:
-    """The drafter's config; a warm start fixes the draft vocabulary to the checkpoint's."""
+    """The drafter's config; a warm start fixes the draft vocabulary to the checkpoint's unless
+    the options give one (a larger one grows it, `ttt.grown_vocabulary`)."""
     fields = {k: v for k, v in options.items() if v is not None}
     vocab = cfg.draft_vocab_size
     if init is not None:

@@ -116,6 +116,9 @@ class TrainingData:
         for part in self.parts:
             yield from part.response_labels()
 
+    def response_token_counts(self, vocab_size: int) -> torch.Tensor:
+        return sum(part.response_token_counts(vocab_size) for part in self.parts)
+
     def _mix_steps(self, steps: int) -> list[int]:
         if len(self._mix) < steps:
             self._mix = mix_steps(self.weights, max(steps, 2 * len(self._mix)))

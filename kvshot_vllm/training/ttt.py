@@ -28,6 +28,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from safetensors import safe_open
 
 from kvshot_vllm.allocator import release_freed_memory
 from kvshot_vllm.errors import KVShotError
@@ -277,8 +278,23 @@ def draft_vocabulary(features: SplitFeatures | TrainingData, size: int, vocab_si
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for labels in features.response_labels():
         counts += torch.bincount(labels.long(), minlength=vocab_size)
-    keep = counts.topk(size).indices.sort().values
-    return keep - torch.arange(size)
+    return as_d2t(counts.topk(size).indices)
+
+
+def grown_vocabulary(d2t: torch.Tensor, size: int, counts: torch.Tensor) -> torch.Tensor:
+    """A draft vocabulary of `size` tokens that keeps every token of `d2t` and adds the most
+    frequent others of `counts` (a warm start's vocabulary grown: its trained rows keep their
+    tokens)."""
+    kept = torch.arange(len(d2t)) + d2t
+    others = counts.clone()
+    others[kept] = -1
+    return as_d2t(torch.cat([kept, others.topk(size - len(d2t)).indices]))
+
+
+def as_d2t(token_ids: torch.Tensor) -> torch.Tensor:
+    """EAGLE-3's d2t of a set of target tokens: sorted, draft i -> target i + d2t[i]."""
+    keep = token_ids.sort().values
+    return keep - torch.arange(len(keep))
 
 
 # ----------------------------------------------------------------------------- statistics
@@ -331,12 +347,19 @@ def warm_start(drafter: Drafter, checkpoint: Path) -> list[str]:
     for f in files:
         src |= {n.replace("midlayer.", "layers.0."): t for n, t in load_file(f).items()}
     own = dict(drafter.named_parameters())
-    if "d2t" in src:
-        if src["d2t"].shape != drafter.d2t.shape:
-            raise KVShotError(f"warm start {checkpoint} has a draft vocabulary of "
-                              f"{src['d2t'].shape[0]}, this drafter {drafter.d2t.shape[0]}")
-        drafter.d2t.copy_(src["d2t"])
     taken = []
+    if "d2t" in src and src["d2t"].shape == drafter.d2t.shape:
+        drafter.d2t.copy_(src.pop("d2t"))
+    elif "d2t" in src:  # a grown vocabulary (`grown_vocabulary`): rows move to their tokens
+        theirs = src.pop("d2t")
+        rows = drafter.draft_ids()[torch.arange(len(theirs)) + theirs]
+        if (rows < 0).any():
+            raise KVShotError(f"warm start {checkpoint} has a draft vocabulary of "
+                              f"{len(theirs)} that this drafter's {len(drafter.d2t)} does not "
+                              f"hold (a warm start may grow its vocabulary, not change it)")
+        with torch.no_grad():
+            drafter.lm_head.weight[rows] = src.pop("lm_head.weight").float()
+        taken.append("lm_head.weight")
     with torch.no_grad():
         for name, tensor in src.items():
             if name in own and own[name].shape == tensor.shape:
@@ -397,9 +420,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.state_file = self.run_dir / "state.pt"
         self.drafter = build_drafter(drafter_cfg, target_dir)
-        vocabulary_given = self.state_file.exists() or (
-            init is not None and tensor_file(init, "d2t") is not None)
-        self.drafter.load_checkpoint_weights(self._fresh_weights(target_dir, vocabulary_given))
+        self.drafter.load_checkpoint_weights(self._fresh_weights(target_dir, init))
         self.fresh = warm_start(self.drafter, init) if init else None
         # The run's state is device-free (state.pt loads anywhere): a run may resume on another.
         self.drafter.to(self.device)
@@ -418,12 +439,9 @@ class Trainer:
         # after the state: a resumed run's vocabulary is the one it saved
         self.t2d = self.drafter.draft_ids().to(self.device)
 
-    def _fresh_weights(self, target_dir: Path, vocabulary_given: bool
-                       ) -> dict[str, torch.Tensor]:
-        """Random layers; lm_head = the target's rows of the draft vocabulary, which is chosen
-        from the training data, unless the warm start or the run's saved state brings its own
-        (`vocabulary_given`): choosing reads every training label, with live features a target
-        forward over the whole set, only to be overwritten. Then the first rows stand in."""
+    def _fresh_weights(self, target_dir: Path, init: Path | None) -> dict[str, torch.Tensor]:
+        """Random layers; lm_head = the target's rows of the draft vocabulary
+        (`_draft_vocabulary`)."""
         from kvshot_vllm.models.files import target_lm_head
         from kvshot_vllm.models.weights import init_weights
 
@@ -433,11 +451,31 @@ class Trainer:
         if cfg.draft_vocab_size == cfg.target.vocab_size:
             weights["lm_head.weight"] = head
         else:
-            d2t = torch.zeros(cfg.draft_vocab_size, dtype=torch.long) if vocabulary_given else \
-                draft_vocabulary(self.data, cfg.draft_vocab_size, cfg.target.vocab_size)
+            d2t = self._draft_vocabulary(init)
             weights["d2t"] = d2t
             weights["lm_head.weight"] = head[d2t + torch.arange(cfg.draft_vocab_size)]
         return weights
+
+    def _draft_vocabulary(self, init: Path | None) -> torch.Tensor:
+        """Chosen from the training labels, unless the run's saved state or the warm start
+        brings its own (then the first rows stand in until it is copied): choosing reads every
+        label, with live features a target forward over the whole set. A warm start's smaller
+        vocabulary grows by the training responses' most frequent other tokens."""
+        size, vocab = self.drafter.cfg.draft_vocab_size, self.drafter.cfg.target.vocab_size
+        theirs = None
+        if init is not None and not self.state_file.exists():
+            file = tensor_file(init, "d2t")
+            if file is not None:
+                with safe_open(file, "pt") as st:
+                    theirs = st.get_tensor("d2t")
+        if self.state_file.exists() or theirs is not None and len(theirs) == size:
+            return torch.zeros(size, dtype=torch.long)
+        if theirs is None:
+            return draft_vocabulary(self.data, size, vocab)
+        if len(theirs) > size:
+            raise KVShotError(f"warm start {init} has a draft vocabulary of {len(theirs)}: "
+                              f"--draft-vocab-size {size} cannot hold it")
+        return grown_vocabulary(theirs, size, self.data.response_token_counts(vocab))
 
     # ------------------------------------------------------------------ the loop
 
