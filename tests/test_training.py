@@ -206,12 +206,17 @@ def test_live_features_equal_cached_ones(target_fp32, dataset, train_features,
     assert torch.equal(warm.drafter.d2t, shipped.d2t)
     # A larger one grows it by the data set's response tokens: still no target forward.
     size = 2 * len(shipped.d2t)
-    grown = _trainer(tmp_path / "live-grown", target_fp32, unread, "kv", init=run / "checkpoint",
-                     draft_vocab_size=size)
+    grown = _trainer(tmp_path / "live-grown", target_fp32, unread, "kv", steps=1,
+                     init=run / "checkpoint", draft_vocab_size=size)
     assert unread._model is None and len(grown.drafter.d2t) == size
     kept = grown.drafter.draft_ids()[shipped.target_ids(torch.arange(len(shipped.d2t)))]
     assert (kept >= 0).all()
     torch.testing.assert_close(grown.drafter.lm_head.weight[kept], shipped.lm_head.weight)
+    # and a killed grown run resumes with the vocabulary its state saved
+    grown.train(progress=False)
+    resumed = _trainer(tmp_path / "live-grown", target_fp32, unread, "kv", steps=1,
+                       init=run / "checkpoint", draft_vocab_size=size)
+    assert resumed.step == 1 and torch.equal(resumed.drafter.d2t, grown.drafter.d2t)
 
 
 def test_oracle_is_accepted_offline(data_dir, target_fp32, dataset, tmp_path) -> None:

@@ -421,7 +421,9 @@ class Trainer:
         self.state_file = self.run_dir / "state.pt"
         self.drafter = build_drafter(drafter_cfg, target_dir)
         self.drafter.load_checkpoint_weights(self._fresh_weights(target_dir, init))
-        self.fresh = warm_start(self.drafter, init) if init else None
+        # a resumed run's state holds every weight, a grown vocabulary's included
+        resumed = self.state_file.exists()
+        self.fresh = warm_start(self.drafter, init) if init and not resumed else None
         # The run's state is device-free (state.pt loads anywhere): a run may resume on another.
         self.drafter.to(self.device)
         if cfg.train == "memory":
