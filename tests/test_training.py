@@ -467,6 +467,18 @@ def test_shipped_drafter_carries_provenance_and_refuses_bad_files(data_dir, targ
     proc = run_kvshot("ship", str(tmp_path / "no-run"), "--name", "x",
                       "--out", str(tmp_path / "x"))
     assert_one_line_error(proc, "no training run at")
+    # a warm start keeps its vocabulary, whatever the preset's: the manifest says the drafter's
+    warm = tmp_path / "warm"
+    proc = run_kvshot("train", "--paradigm", "hidden", "--preset", "full", "--steps", "1",
+                      "--batch-size", "2", "--init", str(run / "checkpoint"), "--target",
+                      str(target_fp32), "--dataset", str(dataset), "--data-dir", str(data_dir),
+                      "--out", str(warm))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = run_kvshot("ship", str(warm), "--name", "warm", "--out", str(tmp_path / "warm-ship"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    warm_manifest = json.loads((tmp_path / "warm-ship" / "manifest.json").read_text())
+    assert warm_manifest["budget"]["draft_vocab_size"] == json.loads(
+        (run / "checkpoint" / "config.json").read_text())["draft_vocab_size"] != 8192
 
 
 def test_training_on_a_mix_of_data_sets_records_each(data_dir, target_fp32, dataset,

@@ -51,7 +51,9 @@ def provenance(run_dir: Path) -> dict:
         # one data set's record, or a mix's: its sets', each with its weight and steps
         "data": sets[0] if len(sets) == 1 else {"mix": sets},
         "budget": {"steps": cfg.steps, "batch_size": cfg.batch_size, "lr": cfg.lr,
-                   "ttt_steps": cfg.ttt_steps, "draft_vocab_size": cfg.draft_vocab_size,
+                   # the drafter's: a warm start's, or grown from it, not the preset's
+                   "ttt_steps": cfg.ttt_steps,
+                   "draft_vocab_size": run["drafter"]["draft_vocab_size"],
                    **training.trained_tokens(cfg, cfg.steps),
                    "train_s": round(metrics[-1]["s_per_step"] * cfg.steps, 1),
                    # the warm start's budget included; what `kvshot curve` reads
