@@ -6,7 +6,8 @@ hundreds of such tensors (activations, attention scores, logits over the draft v
 so each step faults every one of their pages in again, zeroed by the kernel. With mmap off and
 the heap trimmed only when asked (training does at every checkpoint), freed pages are reused
 as they are; between trims the process keeps its peak footprint instead of returning it after
-every step. `python bench/train_allocator.py` measures both side by side on real training
+every step, unless the machine runs short of memory (`memory_is_low`: then training trims at
+once). `python bench/train_allocator.py` measures both side by side on real training
 runs: faults, time in the kernel, step time, peak memory.
 """
 
@@ -22,6 +23,10 @@ M_TRIM_THRESHOLD = -1
 M_MMAP_MAX = -4
 # Off switch, for the bench that compares the two.
 ENV_OFF = "KVSHOT_KEEP_FREED_MEMORY"
+# Below this share of the machine's memory available, kept memory is handed back at once: a
+# kept heap grows with the largest batches between two checkpoints, and an out-of-memory kill
+# loses the steps since the last one.
+LOW_MEMORY_SHARE = 0.15
 
 
 @functools.cache
@@ -54,3 +59,19 @@ def release_freed_memory() -> None:
     libc = _glibc()
     if libc is not None:
         libc.malloc_trim(0)
+
+
+def memory_is_low(meminfo: str | None = None) -> bool:
+    """Whether less than LOW_MEMORY_SHARE of the machine's memory is available (/proc/meminfo,
+    or its text `meminfo`); False where there is none to read."""
+    if meminfo is None:
+        try:
+            with open("/proc/meminfo") as f:
+                meminfo = f.read()
+        except OSError:
+            return False
+    fields = {line.split(":")[0]: int(line.split()[1]) for line in meminfo.splitlines()
+              if line.startswith(("MemTotal:", "MemAvailable:"))}
+    if len(fields) < 2:
+        return False
+    return fields["MemAvailable"] < LOW_MEMORY_SHARE * fields["MemTotal"]

@@ -616,6 +616,16 @@ print(applied, faults, round(kept - resident_mib()))
 """
 
 
+def test_kept_memory_goes_back_when_the_machine_runs_short() -> None:
+    """Training hands kept memory back at once below 15% of the machine's memory available."""
+    from kvshot_vllm.allocator import memory_is_low
+
+    meminfo = "MemTotal:       24683740 kB\nMemFree:  1000 kB\nMemAvailable:   {} kB\n"
+    assert memory_is_low(meminfo.format(3_000_000))
+    assert not memory_is_low(meminfo.format(4_000_000))
+    assert not memory_is_low("MemTotal: 1000 kB\n")  # nothing to judge by
+
+
 def test_kept_freed_memory_is_not_faulted_in_again() -> None:
     """`keep_freed_memory` (what kvshot train, diagnose, curve and study run first): tensors
     of a training step, freed and allocated again, reuse their pages instead of faulting in

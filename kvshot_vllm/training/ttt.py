@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from safetensors import safe_open
 
-from kvshot_vllm.allocator import release_freed_memory
+from kvshot_vllm.allocator import memory_is_low, release_freed_memory
 from kvshot_vllm.errors import KVShotError
 from kvshot_vllm.models.budget import KVBudget
 from kvshot_vllm.models.config import DrafterConfig, validated
@@ -555,6 +555,8 @@ class Trainer:
                     window = []
                 if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps:
                     self.save()
+                    release_freed_memory()
+                elif memory_is_low():
                     release_freed_memory()
                 if cfg.snapshot_every and (self.step % cfg.snapshot_every == 0
                                            or self.step == cfg.steps):
