@@ -420,9 +420,9 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.state_file = self.run_dir / "state.pt"
         self.drafter = build_drafter(drafter_cfg, target_dir)
-        self.drafter.load_checkpoint_weights(self._fresh_weights(target_dir, init))
         # a resumed run's state holds every weight, a grown vocabulary's included
         resumed = self.state_file.exists()
+        self.drafter.load_checkpoint_weights(self._fresh_weights(target_dir, init, resumed))
         self.fresh = warm_start(self.drafter, init) if init and not resumed else None
         # The run's state is device-free (state.pt loads anywhere): a run may resume on another.
         self.drafter.to(self.device)
@@ -441,7 +441,8 @@ class Trainer:
         # after the state: a resumed run's vocabulary is the one it saved
         self.t2d = self.drafter.draft_ids().to(self.device)
 
-    def _fresh_weights(self, target_dir: Path, init: Path | None) -> dict[str, torch.Tensor]:
+    def _fresh_weights(self, target_dir: Path, init: Path | None, resumed: bool
+                       ) -> dict[str, torch.Tensor]:
         """Random layers; lm_head = the target's rows of the draft vocabulary
         (`_draft_vocabulary`)."""
         from kvshot_vllm.models.files import target_lm_head
@@ -453,24 +454,25 @@ class Trainer:
         if cfg.draft_vocab_size == cfg.target.vocab_size:
             weights["lm_head.weight"] = head
         else:
-            d2t = self._draft_vocabulary(init)
+            d2t = self._draft_vocabulary(init, resumed)
             weights["d2t"] = d2t
             weights["lm_head.weight"] = head[d2t + torch.arange(cfg.draft_vocab_size)]
         return weights
 
-    def _draft_vocabulary(self, init: Path | None) -> torch.Tensor:
+    def _draft_vocabulary(self, init: Path | None, resumed: bool) -> torch.Tensor:
         """Chosen from the training labels, unless the run's saved state or the warm start
         brings its own (then the first rows stand in until it is copied): choosing reads every
         label, with live features a target forward over the whole set. A warm start's smaller
         vocabulary grows by the training responses' most frequent other tokens."""
         size, vocab = self.drafter.cfg.draft_vocab_size, self.drafter.cfg.target.vocab_size
+        if resumed:
+            return torch.zeros(size, dtype=torch.long)
         theirs = None
-        if init is not None and not self.state_file.exists():
-            file = tensor_file(init, "d2t")
-            if file is not None:
-                with safe_open(file, "pt") as st:
-                    theirs = st.get_tensor("d2t")
-        if self.state_file.exists() or theirs is not None and len(theirs) == size:
+        file = tensor_file(init, "d2t") if init is not None else None
+        if file is not None:
+            with safe_open(file, "pt") as st:
+                theirs = st.get_tensor("d2t")
+        if theirs is not None and len(theirs) == size:
             return torch.zeros(size, dtype=torch.long)
         if theirs is None:
             return draft_vocabulary(self.data, size, vocab)
